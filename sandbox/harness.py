@@ -1,0 +1,187 @@
+"""The step harness: runs inside the sandbox child (`python -m trainbridge.sandbox.harness REQUEST`).
+
+It lives outside the repository under test, so a candidate cannot change how it is timed. It reads
+a JSON request, seeds everything, imports the workload's entry, runs warm-up and measured steps
+with device synchronisation, and writes a JSON result atomically. Progress (one line per finished
+step) goes to a side file so the parent knows how far a killed run got.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+REQUIRED_PARTS = ("model", "optimizer", "batch", "loss_fn", "train_step")
+_OOM_MARKERS = ("out of memory", "not enough memory", "can't allocate memory", "cannot allocate memory")
+TRACEBACK_TAIL_CHARS = 4000
+
+
+class HarnessFailure(Exception):
+    def __init__(self, kind: str, message: str, *, step: int | None = None, exc: BaseException | None = None):
+        super().__init__(message)
+        self.kind, self.message, self.step, self.exc = kind, message, step, exc
+
+
+def seed_everything(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+
+        numpy.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def load_parts(root: Path, entry: str, device: str, seed: int) -> dict[str, Any]:
+    """Import `module:function` from the repo and call it; validate the parts it returns."""
+    module_name, function_name = entry.split(":")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        module = importlib.import_module(module_name)
+    except BaseException as exc:  # SyntaxError, ImportError, or anything the module raises on import
+        raise HarnessFailure("import_error", f"importing {module_name!r} failed: {type(exc).__name__}: {exc}", exc=exc) from exc
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise HarnessFailure("bad_workload", f"{module_name}.{function_name} is not defined or not callable")
+    parts = function(device=device, seed=seed)
+    if not isinstance(parts, dict):
+        raise HarnessFailure("bad_workload", f"{entry} returned {type(parts).__name__}, expected a dict with keys {', '.join(REQUIRED_PARTS)}")
+    missing = [key for key in REQUIRED_PARTS if key not in parts]
+    if missing:
+        raise HarnessFailure("bad_workload", f"{entry} returned no {', '.join(missing)} (needs {', '.join(REQUIRED_PARTS)})")
+    not_callable = [key for key in ("batch", "loss_fn", "train_step") if not callable(parts[key])]
+    if not_callable:
+        raise HarnessFailure("bad_workload", f"{entry}: {', '.join(not_callable)} must be callable")
+    return parts
+
+
+def loss_value(loss: Any) -> float:
+    if hasattr(loss, "detach"):
+        return float(loss.detach().float().cpu().item())
+    return float(loss)
+
+
+def run_steps(parts: dict[str, Any], backend, warmup: int, steps: int, progress: Callable[[dict], None], record: dict[str, list[float]]) -> None:
+    """Warm-up then measured steps, each timed between device synchronisations, appended to `record`
+    as they finish (so a failure part-way keeps what was measured)."""
+    model, optimizer, batch, train_step = parts["model"], parts["optimizer"], parts["batch"], parts["train_step"]
+    warmup_times, step_times, losses = record["warmup_times_s"], record["step_times_s"], record["losses"]
+    for step in range(warmup + steps):
+        data = batch(step)
+        backend.sync()
+        started = time.perf_counter()
+        loss = train_step(model, optimizer, data)
+        backend.sync()
+        elapsed = time.perf_counter() - started
+        value = loss_value(loss)
+        losses.append(value)
+        (warmup_times if step < warmup else step_times).append(elapsed)
+        progress({"step": step, "time_s": elapsed, "loss": value})
+        if not math.isfinite(value):
+            raise HarnessFailure("nonfinite_loss", f"step {step} returned a non-finite loss ({value})", step=step)
+
+
+def versions() -> dict[str, str]:
+    import platform
+
+    import torch
+
+    found = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
+    if "torch_npu" in sys.modules:
+        npu = sys.modules["torch_npu"]
+        found["torch_npu"] = getattr(npu, "__version__", "?") + (" (emulated)" if getattr(npu, "__trainbridge_emulated__", False) else "")
+    return found
+
+
+def classify(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".lower()
+    if isinstance(exc, MemoryError) or any(marker in text for marker in _OOM_MARKERS):
+        return "oom"
+    return "exception"
+
+
+def _failure(kind: str, message: str, exc: BaseException | None, step: int | None) -> dict[str, Any]:
+    tail = None
+    if exc is not None:
+        tail = "".join(traceback.format_exception(exc))[-TRACEBACK_TAIL_CHARS:]
+    return {
+        "kind": kind,
+        "message": message[:2000],
+        "exception_type": type(exc).__name__ if exc is not None else None,
+        "traceback_tail": tail,
+        "step": step,
+    }
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def execute(request: dict[str, Any]) -> dict[str, Any]:
+    """Run one request; never raises: failures come back in the result."""
+    from trainbridge.sandbox.backends import Backend
+
+    import torch
+
+    backend = Backend(request["backend"])
+    torch.set_num_threads(int(request["threads"]))
+    root = Path(request["root"])
+    for extra in request.get("pythonpath", []):
+        sys.path.insert(0, str(root / extra))
+    progress_path = Path(request["progress_path"])
+    last_step: list[int] = []
+
+    def progress(event: dict) -> None:
+        last_step.append(event["step"])
+        with progress_path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(event) + "\n")
+
+    result: dict[str, Any] = {"versions": {}, "failure": None, "warmup_times_s": [], "step_times_s": [], "losses": []}
+    try:
+        seed_everything(int(request["seed"]))
+        parts = load_parts(root, request["entry"], backend.device, int(request["seed"]))
+        backend.reset_peak_memory()
+        mode = request.get("mode", "measure")
+        if mode != "measure":
+            raise HarnessFailure("bad_workload", f"unknown harness mode {mode!r}")
+        run_steps(parts, backend, int(request["warmup_steps"]), int(request["steps"]), progress, result)
+    except HarnessFailure as failure:
+        result["failure"] = _failure(failure.kind, failure.message, failure.exc, failure.step)
+    except BaseException as exc:  # the workload's own error: classify, keep the traceback tail
+        step = last_step[-1] + 1 if last_step else None
+        result["failure"] = _failure(classify(exc), f"{type(exc).__name__}: {exc}", exc, step)
+    try:
+        result["peak_memory_bytes"] = backend.peak_memory_bytes()
+        result["versions"] = versions()
+    except Exception as exc:  # reporting must not hide the run's own outcome
+        result.setdefault("notes", []).append(f"could not read memory/versions: {exc}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m trainbridge.sandbox.harness REQUEST.json", file=sys.stderr)
+        return 2
+    request = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    result = execute(request)
+    write_json_atomic(Path(request["result_path"]), result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

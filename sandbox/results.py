@@ -1,0 +1,69 @@
+"""Typed results of running a workload in the sandbox."""
+
+from __future__ import annotations
+
+import statistics
+from enum import StrEnum
+
+from pydantic import Field
+
+from trainbridge.records import Record
+
+
+class FailureKind(StrEnum):
+    import_error = "import_error"  # the entry module or one of its imports failed to import
+    bad_workload = "bad_workload"  # the entry ran but did not return the parts the contract asks for
+    exception = "exception"  # the training step raised
+    timeout = "timeout"  # wall-clock limit reached; the whole process group was killed
+    oom = "oom"  # allocation failed under the memory cap, or the process was killed for memory
+    nonfinite_loss = "nonfinite_loss"  # a step returned NaN or inf
+    crashed = "crashed"  # the child died without a result (signal, interpreter abort)
+
+
+class Failure(Record):
+    kind: FailureKind
+    message: str
+    exception_type: str | None = None
+    traceback_tail: str | None = None
+    step: int | None = Field(default=None, description="0-based step index where it failed, when known")
+
+
+class RunResult(Record):
+    """What one sandboxed run produced. `failure` is None exactly when the run succeeded."""
+
+    failure: Failure | None = None
+    mode: str = Field(description="entry or command")
+    backend: str
+    device: str
+    seed: int
+    threads: int
+    warmup_steps: int
+    step_times_s: list[float] = Field(default_factory=list, description="measured steps only, device-synchronised")
+    warmup_times_s: list[float] = Field(default_factory=list)
+    losses: list[float] = Field(default_factory=list, description="every step, warm-up included")
+    peak_memory_bytes: int | None = None
+    versions: dict[str, str] = Field(default_factory=dict)
+    network_isolated: bool = False
+    isolation_notes: list[str] = Field(default_factory=list)
+    memory_limit_mb: int | None = None
+    wall_s: float = 0.0
+    stdout_tail: str = ""
+    stderr_tail: str = ""
+    extra: dict[str, object] = Field(default_factory=dict, description="mode-specific outputs (e.g. evidence paths)")
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    def median_step_s(self) -> float | None:
+        return statistics.median(self.step_times_s) if self.step_times_s else None
+
+    def quantile_step_s(self, q: float) -> float | None:
+        """Step-time quantile by linear interpolation (q in [0, 1])."""
+        if not self.step_times_s:
+            return None
+        ordered = sorted(self.step_times_s)
+        position = q * (len(ordered) - 1)
+        low = int(position)
+        high = min(low + 1, len(ordered) - 1)
+        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)

@@ -1,0 +1,251 @@
+"""Run a workload in a confined child process and return a typed `RunResult`.
+
+A crashed, hung or memory-hungry workload never takes TrainBridge down: the child runs in its own
+process group (killed as a whole on timeout), under an address-space cap, with a scrubbed
+environment and, where the host allows, no network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from trainbridge.sandbox.backends import Backend
+from trainbridge.sandbox.command_mode import parse_command_output
+from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory, network_isolation, scrubbed_env
+from trainbridge.sandbox.results import Failure, FailureKind, RunResult
+from trainbridge.sandbox.workload import Workload
+
+ProgressCallback = Callable[[int, int], None]  # (steps done, steps total)
+TAIL_CHARS = 4000
+POLL_S = 0.2
+
+
+def run_workload(
+    workload: Workload,
+    *,
+    backend: str = "cpu",
+    mode: str = "measure",
+    extra_request: dict[str, Any] | None = None,
+    extra_env: dict[str, str] | None = None,
+    on_progress: ProgressCallback | None = None,
+    work_dir: Path | None = None,
+) -> RunResult:
+    """Run `workload` (its root may be a git worktree) in the sandbox; never raises for workload faults."""
+    config = workload.config
+    target = Backend(backend)
+    memory_limit_mb = config.memory_limit_mb or default_memory_limit_mb()
+    isolation = network_isolation()
+    env = scrubbed_env({**target.child_env(), **(extra_env or {})}, threads=config.threads, seed=config.seed)
+    total = config.warmup_steps + config.steps
+    with tempfile.TemporaryDirectory(prefix="trainbridge-run-", dir=work_dir) as tmp:
+        tmp_dir = Path(tmp)
+        if config.mode == "entry":
+            request = {
+                "mode": mode,
+                "root": str(workload.root),
+                "entry": config.entry,
+                "pythonpath": config.pythonpath,
+                "backend": target.name,
+                "seed": config.seed,
+                "threads": config.threads,
+                "warmup_steps": config.warmup_steps,
+                "steps": config.steps,
+                "progress_path": str(tmp_dir / "progress.jsonl"),
+                "result_path": str(tmp_dir / "result.json"),
+                **(extra_request or {}),
+            }
+            (tmp_dir / "request.json").write_text(json.dumps(request), encoding="utf-8")
+            argv = [sys.executable, "-m", "trainbridge.sandbox.harness", str(tmp_dir / "request.json")]
+        else:
+            argv = shlex.split(config.command or "")
+            if argv and argv[0] in ("python", "python3"):
+                argv[0] = sys.executable  # the interpreter TrainBridge runs under, with the same packages
+        base = RunResult(
+            mode=config.mode,
+            backend=target.name,
+            device=target.device,
+            seed=config.seed,
+            threads=config.threads,
+            warmup_steps=config.warmup_steps,
+            network_isolated=isolation.isolated,
+            isolation_notes=list(isolation.notes),
+            memory_limit_mb=memory_limit_mb,
+        )
+        started = time.monotonic()
+        outcome = _run_child(
+            [*isolation.prefix, *argv],
+            cwd=workload.root,
+            env=env,
+            memory_limit_mb=memory_limit_mb,
+            timeout_s=config.timeout_s,
+            tmp_dir=tmp_dir,
+            on_progress=(lambda done: on_progress(done, total)) if on_progress else None,
+        )
+        base.wall_s = time.monotonic() - started
+        base.stdout_tail, base.stderr_tail = outcome.stdout[-TAIL_CHARS:], outcome.stderr[-TAIL_CHARS:]
+        if config.mode == "command":
+            return _command_result(base, outcome, workload)
+        return _entry_result(base, outcome, tmp_dir, config.timeout_s)
+
+
+class _ChildOutcome:
+    def __init__(self, returncode: int | None, timed_out: bool, stdout: str, stderr: str):
+        self.returncode, self.timed_out, self.stdout, self.stderr = returncode, timed_out, stdout, stderr
+
+
+def _run_child(argv, *, cwd, env, memory_limit_mb, timeout_s, tmp_dir: Path, on_progress) -> _ChildOutcome:
+    stdout_path, stderr_path = tmp_dir / "stdout.txt", tmp_dir / "stderr.txt"
+    progress_path = tmp_dir / "progress.jsonl"
+    with stdout_path.open("wb") as stdout, stderr_path.open("wb") as stderr:
+        try:
+            child = subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,  # its own process group: a timeout kills it and everything it started
+                preexec_fn=limit_memory(memory_limit_mb),
+            )
+        except OSError as exc:
+            return _ChildOutcome(None, False, "", f"could not start {argv[0]}: {exc}")
+        deadline = time.monotonic() + timeout_s
+        timed_out = False
+        reported = -1
+        try:
+            while child.poll() is None:
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+                if on_progress is not None:
+                    done = _count_lines(progress_path)
+                    if done != reported:
+                        reported = done
+                        on_progress(done)
+                time.sleep(POLL_S)
+        finally:
+            if child.poll() is None:
+                _kill_group(child)
+        if on_progress is not None:
+            on_progress(_count_lines(progress_path))
+    return _ChildOutcome(
+        child.returncode,
+        timed_out,
+        stdout_path.read_text(encoding="utf-8", errors="replace"),
+        stderr_path.read_text(encoding="utf-8", errors="replace"),
+    )
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    child.wait()
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def _read_progress(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut by the kill
+    return events
+
+
+def _entry_result(base: RunResult, outcome: _ChildOutcome, tmp_dir: Path, timeout_s: float) -> RunResult:
+    result_path = tmp_dir / "result.json"
+    events = _read_progress(tmp_dir / "progress.jsonl")
+    if outcome.timed_out or not result_path.exists():
+        _fill_from_progress(base, events)
+        if outcome.timed_out:
+            base.failure = Failure(
+                kind=FailureKind.timeout,
+                message=f"no result within the {timeout_s:g} s limit; the process group was killed "
+                f"after {len(events)} finished step(s)",
+                step=len(events),
+            )
+        else:
+            base.failure = _classify_death(outcome, len(events))
+        return base
+    payload = json.loads(result_path.read_text(encoding="utf-8"))
+    base.warmup_times_s = payload.get("warmup_times_s", [])
+    base.step_times_s = payload.get("step_times_s", [])
+    base.losses = payload.get("losses", [])
+    base.peak_memory_bytes = payload.get("peak_memory_bytes")
+    base.versions = payload.get("versions", {})
+    base.extra = payload.get("extra", {})
+    if payload.get("failure"):
+        base.failure = Failure.model_validate(payload["failure"])
+    return base
+
+
+def _fill_from_progress(base: RunResult, events: list[dict[str, Any]]) -> None:
+    for event in events:
+        base.losses.append(event["loss"])
+        (base.warmup_times_s if event["step"] < base.warmup_steps else base.step_times_s).append(event["time_s"])
+
+
+def _classify_death(outcome: _ChildOutcome, steps_done: int) -> Failure:
+    code = outcome.returncode
+    tail = outcome.stderr[-TAIL_CHARS:] or None
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        if -code == signal.SIGKILL:
+            return Failure(kind=FailureKind.oom, message=f"killed by {name} after {steps_done} step(s) without a result; "
+                           "most likely the kernel's out-of-memory killer", traceback_tail=tail, step=steps_done)
+        return Failure(kind=FailureKind.crashed, message=f"died from signal {name} after {steps_done} step(s)", traceback_tail=tail, step=steps_done)
+    if tail and ("MemoryError" in tail or "out of memory" in tail.lower()):
+        return Failure(kind=FailureKind.oom, message="ran out of memory before writing a result", traceback_tail=tail, step=steps_done)
+    return Failure(kind=FailureKind.crashed, message=f"exited with code {code} without writing a result", traceback_tail=tail, step=steps_done)
+
+
+def _command_result(base: RunResult, outcome: _ChildOutcome, workload: Workload) -> RunResult:
+    parsed = parse_command_output(outcome.stdout, workload.config)
+    warmup = workload.config.warmup_steps
+    base.losses = parsed.losses
+    base.warmup_times_s, base.step_times_s = parsed.step_times_s[:warmup], parsed.step_times_s[warmup:]
+    if outcome.timed_out:
+        base.failure = Failure(kind=FailureKind.timeout, message=f"command did not finish within {workload.config.timeout_s:g} s; "
+                               "the process group was killed", step=len(parsed.losses))
+    elif outcome.returncode != 0:
+        base.failure = _classify_death(outcome, len(parsed.losses))
+        if outcome.returncode and outcome.returncode > 0 and base.failure.kind == FailureKind.crashed:
+            kind = FailureKind.import_error if "ModuleNotFoundError" in outcome.stderr or "ImportError" in outcome.stderr else FailureKind.exception
+            base.failure = Failure(kind=kind, message=f"command exited with code {outcome.returncode}",
+                                   exception_type=_last_exception_type(outcome.stderr), traceback_tail=outcome.stderr[-TAIL_CHARS:] or None)
+    elif parsed.nonfinite_step is not None:
+        base.failure = Failure(kind=FailureKind.nonfinite_loss, message=f"step {parsed.nonfinite_step} printed a non-finite loss",
+                               step=parsed.nonfinite_step)
+    elif not parsed.step_times_s:
+        base.failure = Failure(kind=FailureKind.bad_workload, message="the command's output had no line matching step_time_pattern "
+                               f"{workload.config.step_time_pattern!r}; set step_time_pattern in trainbridge.toml")
+    return base
+
+
+def _last_exception_type(stderr: str) -> str | None:
+    for line in reversed(stderr.strip().splitlines()):
+        head = line.split(":", 1)[0].strip()
+        if head.endswith(("Error", "Exception")) and " " not in head:
+            return head.rsplit(".", 1)[-1]
+    return None
