@@ -1,0 +1,5 @@
+"""`python -m trainbridge` runs the command line."""
+
+from trainbridge.graph.cli import main
+
+main()

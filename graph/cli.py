@@ -1,0 +1,141 @@
+"""The `trainbridge` command line.
+
+Each command is a thin layer: it validates input, shows progress, and calls the subsystem that does
+the work. Nothing here runs at import time.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from trainbridge.sandbox.backends import BACKENDS
+from trainbridge.sandbox.results import RunResult
+
+app = typer.Typer(
+    name="trainbridge",
+    help=(
+        "TrainBridge makes PyTorch training programs fast on Ascend NPUs (and CPUs/GPUs): it compares "
+        "the eager program with what torch.compile makes of it, rewrites fragmented regions with fused "
+        "APIs on git branches, and keeps only rewrites that a profiler shows faster with unchanged numerics."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+)
+console = Console(stderr=True)
+
+
+@app.callback()
+def _root() -> None:
+    """TrainBridge: compiler-guided, measurement-gated rewrites of PyTorch training programs."""
+
+
+def examples_dir() -> Path:
+    """The bundled example workloads (installed with the package)."""
+    import trainbridge
+
+    return Path(trainbridge.__file__).resolve().parent / "examples"
+
+
+def resolve_repo(target: str) -> Path:
+    """A path to a repository, or the name of a bundled example (e.g. `llama_pretrain`)."""
+    path = Path(target)
+    if path.exists():
+        return path.resolve()
+    bundled = examples_dir() / target
+    if bundled.is_dir():
+        return bundled
+    names = sorted(p.name for p in examples_dir().iterdir() if (p / "trainbridge.toml").is_file()) if examples_dir().is_dir() else []
+    raise typer.BadParameter(f"{target!r} is neither a directory nor a bundled example (bundled: {', '.join(names) or 'none'})")
+
+
+@app.command()
+def measure(
+    repo: str = typer.Argument(..., help="Repository root with a trainbridge.toml, or a bundled example name such as llama_pretrain."),
+    backend: str = typer.Option("cpu", "--backend", "-b", help=f"Device backend: {', '.join(BACKENDS)}."),
+    steps: Optional[int] = typer.Option(None, help="Measured steps (default: the repo's trainbridge.toml)."),
+    warmup: Optional[int] = typer.Option(None, help="Warm-up steps, not measured (default: trainbridge.toml)."),
+    timeout: Optional[float] = typer.Option(None, help="Wall-clock limit in seconds for the whole run."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads for the child (default: trainbridge.toml, else 2)."),
+    seed: Optional[int] = typer.Option(None, help="Seed for parameters and batches."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the full result as JSON to this file ('-' for stdout)."),
+) -> None:
+    """Run a workload's training step in the sandbox and print step-time statistics and losses.
+
+    The step runs in a child process (own process group, memory cap, scrubbed environment, no network
+    where the host allows); times are device-synchronised. Exit code 1 if the run failed.
+    """
+    from trainbridge.sandbox.backends import probe
+    from trainbridge.sandbox.runner import run_workload
+    from trainbridge.sandbox.workload import WorkloadConfigError, load_workload
+
+    if backend not in BACKENDS:
+        raise typer.BadParameter(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}", param_hint="--backend")
+    availability = probe(backend)
+    if not availability.available:
+        _error(f"backend {backend} is not available: {availability.reason}")
+        raise typer.Exit(2)
+    try:
+        workload = load_workload(resolve_repo(repo)).with_overrides(steps=steps, warmup_steps=warmup, timeout_s=timeout, threads=threads, seed=seed)
+    except WorkloadConfigError as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
+    with _progress() as progress:
+        task = progress.add_task(f"measuring {workload.root.name}", total=workload.config.warmup_steps + workload.config.steps)
+        result = run_workload(workload, backend=backend, on_progress=lambda done, total: progress.update(task, completed=done, total=total))
+    _print_result(workload.root, result)
+    if json_out is not None:
+        payload = json.dumps({"repo": str(workload.root), **result.model_dump(mode="json")}, indent=2)
+        if str(json_out) == "-":
+            sys.stdout.write(payload + "\n")
+        else:
+            json_out.write_text(payload + "\n", encoding="utf-8")
+            console.print(f"wrote {json_out}")
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
+
+
+def _print_result(root: Path, result: RunResult) -> None:
+    table = Table(title=f"{root.name} on {result.backend} ({result.threads} threads, seed {result.seed})", show_header=True)
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    if result.step_times_s:
+        table.add_row("measured steps", str(len(result.step_times_s)))
+        table.add_row("median step", f"{result.median_step_s() * 1000:.1f} ms")
+        table.add_row("p10 / p90 step", f"{result.quantile_step_s(0.1) * 1000:.1f} / {result.quantile_step_s(0.9) * 1000:.1f} ms")
+    if result.warmup_times_s:
+        table.add_row("first (warm-up) step", f"{result.warmup_times_s[0] * 1000:.1f} ms")
+    if result.losses:
+        table.add_row("loss first -> last", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+    if result.peak_memory_bytes:
+        table.add_row("peak memory", f"{result.peak_memory_bytes / 2**20:.0f} MiB")
+    table.add_row("network", "isolated" if result.network_isolated else "not isolated")
+    table.add_row("torch", result.versions.get("torch", "?"))
+    Console().print(table)
+    if result.failure is not None:
+        _error(f"failed ({result.failure.kind}): {result.failure.message}")
+        if result.failure.traceback_tail:
+            console.print(result.failure.traceback_tail, markup=False, highlight=False, soft_wrap=True)
+    else:
+        console.print("[green]ok[/]: speed measured on this machine's " + result.backend)
+
+
+def _error(message: str) -> None:
+    """Errors are printed unwrapped, so they can be grepped and copied whole."""
+    console.print(message, style="red", soft_wrap=True, markup=False, highlight=False)
+
+
+def main() -> None:
+    app()
