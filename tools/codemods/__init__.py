@@ -1,0 +1,1 @@
+"""Codemods: recipes (data) applied to source with libcst."""

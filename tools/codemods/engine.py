@@ -1,0 +1,293 @@
+"""Apply a recipe (data) to one source region of one file with libcst.
+
+Formatting and comments outside the rewritten nodes are preserved, imports are added once, nothing
+outside the intent's span changes except the import block, and the engine refuses — with the
+reason and what came close — when the recipe does not match, matches ambiguously, or its
+precondition on the source cannot hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import libcst as cst
+from libcst.codemod import CodemodContext
+from libcst.codemod.visitors import AddImportsVisitor
+from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider
+
+from trainbridge.knowledge.schema import Recipe
+from trainbridge.records import SourceSpan
+from trainbridge.tools.codemods.imports import parse_import_line
+from trainbridge.tools.codemods.pattern import Bindings, PatternError, match, parse_expression_pattern
+from trainbridge.tools.codemods.template import render_expression, render_statements
+
+
+class CodemodRefused(Exception):
+    """The recipe cannot be applied here; `reason` says why, `close` lists near misses."""
+
+    def __init__(self, reason: str, close: list[str] | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.close = close or []
+
+    def __str__(self) -> str:
+        if not self.close:
+            return self.reason
+        return self.reason + "\nclosest code in the span:\n" + "\n".join(f"  {c}" for c in self.close)
+
+
+@dataclass
+class Edit:
+    """A successful rewrite of one file."""
+
+    source: str
+    sites: list[SourceSpan] = field(default_factory=list)  # original line ranges that were rewritten
+    notes: list[str] = field(default_factory=list)
+
+
+def apply_recipe(source: str, recipe: Recipe, span: SourceSpan) -> Edit:
+    """Rewrite the part of `source` (the file `span.file`) that `recipe` matches inside `span`."""
+    try:
+        module = cst.parse_module(source)
+    except cst.ParserSyntaxError as exc:
+        raise CodemodRefused(f"{span.file} does not parse: {exc.message} (line {exc.raw_line})") from None
+    wrapper = MetadataWrapper(module)
+    kind = recipe.match.kind
+    try:
+        if kind == "expression":
+            new_module, sites = _apply_expression(wrapper, recipe, span)
+        elif kind == "call":
+            new_module, sites = _apply_call(wrapper, recipe, span)
+        elif kind == "semantic":
+            new_module, sites = _apply_semantic(wrapper, recipe, span)
+        else:
+            raise CodemodRefused(f"recipe {recipe.id}: match kind {kind!r} identifies regions but carries no source rewrite")
+    except PatternError as exc:
+        raise CodemodRefused(f"recipe {recipe.id}: {exc}") from None
+    new_module = _add_imports(new_module, recipe.imports)
+    return Edit(source=new_module.code, sites=sites)
+
+
+# --- expression ---------------------------------------------------------------------------------
+
+
+def _patterns(recipe: Recipe) -> list[cst.BaseExpression]:
+    params = recipe.match.params
+    texts = ([params["pattern"]] if "pattern" in params else []) + list(params.get("alternatives", []) or [])
+    return [parse_expression_pattern(str(text)) for text in texts]
+
+
+class _ExpressionFinder(cst.CSTVisitor):
+    METADATA_DEPENDENCIES = (PositionProvider,)
+
+    def __init__(self, patterns: list[cst.BaseExpression], span: SourceSpan):
+        self.patterns, self.span = patterns, span
+        self.found: list[tuple[cst.BaseExpression, Bindings, SourceSpan]] = []
+        self.in_span: list[tuple[cst.BaseExpression, SourceSpan]] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if not isinstance(node, cst.BaseExpression):
+            return True
+        position = self.get_metadata(PositionProvider, node)
+        if position.end.line < self.span.line_start or position.start.line > self.span.line_end:
+            return True
+        site = SourceSpan(file=self.span.file, line_start=position.start.line, line_end=position.end.line)
+        if self.span.line_start <= position.start.line and position.end.line <= self.span.line_end:
+            for pattern in self.patterns:
+                bindings = match(pattern, node)
+                if bindings is not None:
+                    self.found.append((node, bindings, site))
+                    return False  # outermost match wins; do not look inside it
+            self.in_span.append((node, site))
+        return True
+
+
+def _apply_expression(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
+    finder = _ExpressionFinder(_patterns(recipe), span)
+    wrapper.visit(finder)
+    module = wrapper.module
+    if not finder.found:
+        raise CodemodRefused(f"no expression in {span} matches recipe {recipe.id}", _closest(module, finder.in_span))
+    if len(finder.found) > 1 and not recipe.match.params.get("all_in_span", False):
+        lines = ", ".join(str(site) for _, _, site in finder.found)
+        raise CodemodRefused(f"recipe {recipe.id} matches {len(finder.found)} expressions in {span} ({lines}); "
+                             "narrow the span or mark the recipe all_in_span")
+    replacements = {node: render_expression(recipe.replacement, bindings, module) for node, bindings, _ in finder.found}
+    return _replace_nodes(module, replacements), [site for _, _, site in finder.found]
+
+
+def _closest(module: cst.Module, candidates: list[tuple[cst.BaseExpression, SourceSpan]], limit: int = 3) -> list[str]:
+    """The largest expressions in the span: what the author probably meant the pattern to match."""
+    outer = sorted(candidates, key=lambda item: -len(module.code_for_node(item[0])))[:limit]
+    return [f"{site}: {module.code_for_node(node).strip()[:160]}" for node, site in outer]
+
+
+class _NodeReplacer(cst.CSTTransformer):
+    def __init__(self, replacements: dict[cst.CSTNode, cst.CSTNode]):
+        self.replacements = replacements
+
+    def on_leave(self, original_node, updated_node):
+        return self.replacements.get(original_node, updated_node)
+
+
+def _replace_nodes(module: cst.Module, replacements: dict) -> cst.Module:
+    return module.visit(_NodeReplacer(replacements))
+
+
+# --- call ---------------------------------------------------------------------------------------
+
+
+class _CallFinder(cst.CSTVisitor):
+    METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
+
+    def __init__(self, func: str, span: SourceSpan):
+        self.func, self.span = func, span
+        self.found: list[tuple[cst.Call, SourceSpan]] = []
+
+    def visit_Call(self, node: cst.Call) -> None:
+        position = self.get_metadata(PositionProvider, node)
+        if not (self.span.line_start <= position.start.line <= self.span.line_end):
+            return
+        names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
+        if self.func in names:
+            self.found.append((node, SourceSpan(file=self.span.file, line_start=position.start.line, line_end=position.end.line)))
+
+
+def _apply_call(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
+    params = recipe.match.params
+    finder = _CallFinder(str(params["func"]), span)
+    wrapper.visit(finder)
+    module = wrapper.module
+    required = dict(params.get("kwargs", {}) or {})
+    dropped = set(params.get("drop_kwargs", []) or [])
+    candidates, misses = [], []
+    for call, site in finder.found:
+        given = {arg.keyword.value: arg.value for arg in call.args if arg.keyword is not None}
+        wrong = [k for k, v in required.items() if k not in given or not _literal_equals(given[k], v)]
+        if wrong:
+            misses.append(f"{site}: {module.code_for_node(call).strip()[:160]} (needs {', '.join(f'{k}={required[k]!r}' for k in wrong)})")
+            continue
+        candidates.append((call, site))
+    if not candidates:
+        raise CodemodRefused(f"no call of {params['func']} in {span} fits recipe {recipe.id}", misses)
+    if len(candidates) > 1:
+        raise CodemodRefused(f"recipe {recipe.id} matches {len(candidates)} calls in {span}; narrow the span",
+                             [str(site) for _, site in candidates])
+    call, site = candidates[0]
+    kept = [arg for arg in call.args if arg.keyword is None or arg.keyword.value not in dropped]
+    args_code = ", ".join(module.code_for_node(arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)).strip() for arg in kept)
+    bindings: Bindings = {"func": call.func}
+    text = recipe.replacement.replace("$args", "\0ARGS\0").replace("${args}", "\0ARGS\0")
+    rendered = render_expression(text, bindings, module, raw={"\0ARGS\0": args_code})
+    return _replace_nodes(module, {call: rendered}), [site]
+
+
+def _literal_equals(node: cst.BaseExpression, value) -> bool:
+    if isinstance(value, bool) or value is None:
+        return isinstance(node, cst.Name) and node.value == repr(value)
+    if isinstance(value, (int, float)):
+        return isinstance(node, (cst.Integer, cst.Float)) and float(node.evaluated_value) == float(value)
+    if isinstance(value, str):
+        return isinstance(node, cst.SimpleString) and node.evaluated_value == value
+    return False
+
+
+# --- semantic (module forward / function) -------------------------------------------------------
+
+
+def _apply_semantic(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
+    params = recipe.match.params
+    module = wrapper.module
+    positions = wrapper.resolve(PositionProvider)
+    scope, signature = params["scope"], [str(n) for n in params["signature"]]
+    attributes = [str(a) for a in params.get("attributes", []) or []]
+    function, owner = _find_scope(module, positions, span, scope)
+    if function is None:
+        what = "class with a forward method" if scope == "module_forward" else "function"
+        raise CodemodRefused(f"no {what} overlaps {span} for recipe {recipe.id}")
+    arg_names = [p.name.value for p in function.params.params]
+    if scope == "module_forward":
+        arg_names = arg_names[1:]  # self
+    if len(arg_names) != len(signature):
+        raise CodemodRefused(f"{function.name.value}({', '.join(arg_names)}) takes {len(arg_names)} argument(s); "
+                             f"recipe {recipe.id} expects ({', '.join(signature)})")
+    bindings: Bindings = {name: cst.Name(actual) for name, actual in zip(signature, arg_names)}
+    if attributes:
+        assigned = _self_attributes(owner)
+        missing = [a for a in attributes if a not in assigned]
+        if missing:
+            raise CodemodRefused(f"class {owner.name.value} never assigns self.{', self.'.join(missing)}, which recipe {recipe.id} needs")
+        bindings.update({f"self_{a}": cst.Attribute(value=cst.Name("self"), attr=cst.Name(a)) for a in attributes})
+    anchors = [parse_expression_pattern(str(text)) for text in params.get("alternatives", []) or []]
+    if anchors and not _contains_match(function, anchors):
+        raise CodemodRefused(f"{function.name.value} in {span} contains none of recipe {recipe.id}'s known forms; "
+                             "it may compute something else (a semantic check on captured shapes would decide)",
+                             [module.code_for_node(function.body).strip()[:200]])
+    body = render_statements(f"return {recipe.replacement}", bindings, module)
+    docstring = _docstring(function)
+    new_function = function.with_changes(body=function.body.with_changes(body=[*docstring, *body]))
+    position = positions[function]
+    site = SourceSpan(file=span.file, line_start=position.start.line, line_end=position.end.line, function=function.name.value)
+    return _replace_nodes(module, {function: new_function}), [site]
+
+
+def _find_scope(module: cst.Module, positions, span: SourceSpan, scope: str):
+    def overlaps(node) -> bool:
+        position = positions[node]
+        return position.start.line <= span.line_end and span.line_start <= position.end.line
+
+    for statement in module.body:
+        if scope == "module_forward" and isinstance(statement, cst.ClassDef) and overlaps(statement):
+            for item in statement.body.body:
+                if isinstance(item, cst.FunctionDef) and item.name.value == "forward" and (overlaps(item) or overlaps(statement)):
+                    return item, statement
+        if scope == "function" and isinstance(statement, cst.FunctionDef) and overlaps(statement):
+            return statement, None
+    return None, None
+
+
+def _self_attributes(owner: cst.ClassDef) -> set[str]:
+    found: set[str] = set()
+
+    class Visitor(cst.CSTVisitor):
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            if isinstance(node.value, cst.Name) and node.value.value == "self":
+                found.add(node.attr.value)
+
+    owner.visit(Visitor())
+    return found
+
+
+def _contains_match(function: cst.FunctionDef, patterns: list[cst.BaseExpression]) -> bool:
+    hit = []
+
+    class Visitor(cst.CSTVisitor):
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            if isinstance(node, cst.BaseExpression) and any(match(p, node) is not None for p in patterns):
+                hit.append(node)
+                return False
+            return not hit
+
+    function.visit(Visitor())
+    return bool(hit)
+
+
+def _docstring(function: cst.FunctionDef) -> list[cst.BaseStatement]:
+    first = function.body.body[0] if function.body.body else None
+    if isinstance(first, cst.SimpleStatementLine) and len(first.body) == 1 and isinstance(first.body[0], cst.Expr) \
+            and isinstance(first.body[0].value, (cst.SimpleString, cst.ConcatenatedString)):
+        return [first]
+    return []
+
+
+# --- imports ------------------------------------------------------------------------------------
+
+
+def _add_imports(module: cst.Module, lines: list[str]) -> cst.Module:
+    if not lines:
+        return module
+    context = CodemodContext()
+    for line in lines:
+        spec = parse_import_line(line)
+        AddImportsVisitor.add_needed_import(context, spec.module, spec.obj, spec.asname)
+    return AddImportsVisitor(context).transform_module(module)
