@@ -93,6 +93,20 @@ def run_steps(parts: dict[str, Any], backend, warmup: int, steps: int, progress:
             raise HarnessFailure("nonfinite_loss", f"step {step} returned a non-finite loss ({value})", step=step)
 
 
+def run_mode(mode: str, parts: dict[str, Any], backend, request: dict[str, Any], progress, result: dict[str, Any]) -> None:
+    """measure: timed steps; profile: eager ops per source line (TargetProfile)."""
+    warmup, steps = int(request["warmup_steps"]), int(request["steps"])
+    if mode == "measure":
+        run_steps(parts, backend, warmup, steps, progress, result)
+    elif mode == "profile":
+        from trainbridge.tools.eager_profile import profile_eager_step
+
+        profile = profile_eager_step(parts, Path(request["root"]), steps=steps, warmup=warmup, sync=backend.sync, backend=backend.name)
+        result.setdefault("extra", {})["target_profile"] = profile.model_dump(mode="json")
+    else:
+        raise HarnessFailure("bad_workload", f"unknown harness mode {mode!r}")
+
+
 def versions() -> dict[str, str]:
     import platform
 
@@ -155,10 +169,7 @@ def execute(request: dict[str, Any]) -> dict[str, Any]:
         seed_everything(int(request["seed"]))
         parts = load_parts(root, request["entry"], backend.device, int(request["seed"]))
         backend.reset_peak_memory()
-        mode = request.get("mode", "measure")
-        if mode != "measure":
-            raise HarnessFailure("bad_workload", f"unknown harness mode {mode!r}")
-        run_steps(parts, backend, int(request["warmup_steps"]), int(request["steps"]), progress, result)
+        run_mode(request.get("mode", "measure"), parts, backend, request, progress, result)
     except HarnessFailure as failure:
         result["failure"] = _failure(failure.kind, failure.message, failure.exc, failure.step)
     except BaseException as exc:  # the workload's own error: classify, keep the traceback tail
