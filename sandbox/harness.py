@@ -94,15 +94,15 @@ def run_steps(parts: dict[str, Any], backend, warmup: int, steps: int, progress:
 
 
 def run_mode(mode: str, parts: dict[str, Any], backend, request: dict[str, Any], progress, result: dict[str, Any]) -> None:
-    """measure: timed steps; profile: eager ops per source line (TargetProfile)."""
+    """measure: timed steps; profile: every eager op of the step with its source line (EagerOpTable)."""
     warmup, steps = int(request["warmup_steps"]), int(request["steps"])
     if mode == "measure":
         run_steps(parts, backend, warmup, steps, progress, result)
     elif mode == "profile":
-        from trainbridge.tools.eager_profile import profile_eager_step
+        from trainbridge.tools.eager_profile import record_eager_ops
 
-        profile = profile_eager_step(parts, Path(request["root"]), steps=steps, warmup=warmup, sync=backend.sync, backend=backend.name)
-        result.setdefault("extra", {})["target_profile"] = profile.model_dump(mode="json")
+        table = record_eager_ops(parts, Path(request["root"]), steps=steps, warmup=warmup, sync=backend.sync, backend=backend.name)
+        result.setdefault("extra", {})["eager_ops"] = table.model_dump(mode="json")
     else:
         raise HarnessFailure("bad_workload", f"unknown harness mode {mode!r}")
 
