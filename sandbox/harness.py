@@ -94,7 +94,8 @@ def run_steps(parts: dict[str, Any], backend, warmup: int, steps: int, progress:
 
 
 def run_mode(mode: str, parts: dict[str, Any], backend, request: dict[str, Any], progress, result: dict[str, Any]) -> None:
-    """measure: timed steps; profile: every eager op of the step with its source line (EagerOpTable)."""
+    """measure: timed steps; profile: every eager op of the step with its source line (EagerOpTable);
+    capture: the step under torch.compile with Inductor's debug output written to evidence_dir."""
     warmup, steps = int(request["warmup_steps"]), int(request["steps"])
     if mode == "measure":
         run_steps(parts, backend, warmup, steps, progress, result)
@@ -103,6 +104,11 @@ def run_mode(mode: str, parts: dict[str, Any], backend, request: dict[str, Any],
 
         table = record_eager_ops(parts, Path(request["root"]), steps=steps, warmup=warmup, sync=backend.sync, backend=backend.name)
         result.setdefault("extra", {})["eager_ops"] = table.model_dump(mode="json")
+    elif mode == "capture":
+        from trainbridge.tools.inductor_capture import capture_inductor_evidence
+
+        out_dir = capture_inductor_evidence(parts, Path(request["evidence_dir"]), steps=max(steps, 2), repo_root=Path(request["root"]))
+        result.setdefault("extra", {})["evidence_dir"] = str(out_dir)
     else:
         raise HarnessFailure("bad_workload", f"unknown harness mode {mode!r}")
 
