@@ -104,11 +104,16 @@ def run_mode(mode: str, parts: dict[str, Any], backend, request: dict[str, Any],
 
         table = record_eager_ops(parts, Path(request["root"]), steps=steps, warmup=warmup, sync=backend.sync, backend=backend.name)
         result.setdefault("extra", {})["eager_ops"] = table.model_dump(mode="json")
+        result["extra"]["optimizer_class"] = type(parts["optimizer"]).__name__
     elif mode == "capture":
         from trainbridge.tools.inductor_capture import capture_inductor_evidence
 
         out_dir = capture_inductor_evidence(parts, Path(request["evidence_dir"]), steps=max(steps, 2), repo_root=Path(request["root"]))
         result.setdefault("extra", {})["evidence_dir"] = str(out_dir)
+    elif mode == "numerics":
+        from trainbridge.sandbox.numerics_probe import run_numerics
+
+        result.setdefault("extra", {})["numerics"] = run_numerics(parts, backend, request)
     else:
         raise HarnessFailure("bad_workload", f"unknown harness mode {mode!r}")
 

@@ -1,0 +1,151 @@
+"""Align reference kernels, profiled eager ops and source patterns into ranked intents.
+
+Inputs, each optional but the source scan:
+- source-pattern intents (static scan: exact spans, category) and advisor-rule intents (op
+  sequences at the lines of the matched ops);
+- the target table: every eager op of a profiled step with its source line, phase and time;
+- the reference: the compiled step's kernels (`FusionGroup`) with their source lines.
+
+The join key is the source line. For each region an intent covers, N = eager ops launched there per
+step (forward and backward), K = reference kernels whose source lines fall in the region. The saving
+is an *estimate* — target time in the region x (1 - K/N), the share of launches fusion removed — and
+says so in `estimate_basis`; only the profiler gate measures.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from trainbridge.records import Evidence, FusionGroup, Intent, IntentCategory, IntentSource, Phase, SourceSpan
+from trainbridge.tools.eager_profile import UNATTRIBUTED_FILE, EagerOp, EagerOpTable
+
+STATIC_ONLY_BASIS = "no runtime evidence: not estimated"
+RUNTIME_BASIS = "estimate: eager time in region x (1 - K reference kernels / N eager ops)"
+NO_REFERENCE_BASIS = "estimate: eager time in region x 0.5 (no compiled reference to count kernels)"
+_HOST_SYNC_OPS = {"aten::_local_scalar_dense", "aten::item"}
+# Program-level categories: one intent per program, whatever lines the detectors pointed at
+# (the optimizer is rewritten where it is constructed, the advisor points at where it steps).
+_PROGRAM_LEVEL = {IntentCategory.optimizer_step, IntentCategory.conv_layout}
+
+
+@dataclass
+class RegionEvidence:
+    ops: list[EagerOp] = field(default_factory=list)
+    kernels: list[FusionGroup] = field(default_factory=list)
+
+
+def align(
+    pattern_intents: list[Intent],
+    table: EagerOpTable | None = None,
+    reference: list[FusionGroup] | None = None,
+    *,
+    step: int = 0,
+) -> list[Intent]:
+    """Merge pattern intents that describe the same region, attach runtime evidence, rank."""
+    merged = merge(pattern_intents)
+    if table is None:
+        return rank(merged)
+    ops = [op for op in table.ops if op.step == step]
+    step_time = sum(op.time_us for op in ops) or None
+    by_line = _ops_by_line(ops)
+    kernels_by_line = _kernels_by_line(reference or [])
+    return rank([_with_runtime(intent, by_line, kernels_by_line, step_time, ops, reference is not None) for intent in merged])
+
+
+def merge(intents: list[Intent]) -> list[Intent]:
+    """One intent per (category, region): static spans win (they are exact), detectors are united."""
+    ordered = sorted(intents, key=lambda i: (i.source != IntentSource.static, -i.confidence))
+    kept: list[Intent] = []
+    for intent in ordered:
+        twin = next((k for k in kept if k.category == intent.category
+                     and (intent.category in _PROGRAM_LEVEL or _overlap(k.spans, intent.spans))), None)
+        if twin is None:
+            kept.append(intent.model_copy(deep=True))
+            continue
+        twin.evidence.detectors = sorted(set(twin.evidence.detectors) | set(intent.evidence.detectors))
+        twin.evidence.notes = twin.evidence.notes + [n for n in intent.evidence.notes if n not in twin.evidence.notes]
+        if not twin.evidence.target_op_names and intent.evidence.target_op_names:
+            twin.evidence.target_op_names = intent.evidence.target_op_names
+        twin.confidence = min(1.0, max(twin.confidence, intent.confidence) + 0.1)
+    return kept
+
+
+def rank(intents: list[Intent]) -> list[Intent]:
+    """Highest estimated saving first; unestimated ones after, by confidence."""
+    return sorted(intents, key=lambda i: (i.estimated_saving_us is None, -(i.estimated_saving_us or 0.0), -i.confidence, i.id))
+
+
+def _with_runtime(intent: Intent, by_line, kernels_by_line, step_time, all_ops: list[EagerOp], has_reference: bool) -> Intent:
+    region = _region_ops(intent, by_line, all_ops)
+    updated = intent.model_copy(deep=True)
+    evidence = updated.evidence
+    if not region:
+        evidence.notes.append("no eager op of the profiled step ran on these lines")
+        updated.confidence = min(updated.confidence, 0.3)
+        return updated
+    time_us = sum(op.time_us for op in region)
+    n_ops = len(region)
+    evidence.target_ops = n_ops
+    evidence.target_time_us = round(time_us, 3)
+    evidence.target_time_share = round(min(1.0, time_us / step_time), 6) if step_time else None
+    if not evidence.target_op_names:
+        evidence.target_op_names = [op.name for op in region if op.phase == Phase.forward][:64]
+    evidence.detectors = sorted(set(evidence.detectors) | {"eager_profile"})
+    kernels = _region_kernels(intent, kernels_by_line) if has_reference else None
+    if kernels == []:
+        evidence.notes.append("no compiled kernel maps to these lines: the region was outside the compiled graphs")
+        kernels = None
+    if kernels is not None:
+        evidence.reference_kernels = len(kernels)
+        evidence.kernels = sorted({k.kernel for k in kernels})[:64]
+        evidence.detectors = sorted(set(evidence.detectors) | {"inductor"})
+        fused_away = 1.0 - min(len(kernels), n_ops) / n_ops
+        updated.estimated_saving_us = round(time_us * fused_away, 3)
+        updated.estimate_basis = RUNTIME_BASIS
+        if len(kernels) < n_ops:
+            updated.confidence = min(1.0, max(updated.confidence, 0.7) + 0.2)
+    else:
+        updated.estimated_saving_us = round(time_us * 0.5, 3)
+        updated.estimate_basis = NO_REFERENCE_BASIS
+        updated.confidence = min(1.0, max(updated.confidence, 0.6) + 0.1)
+    return updated
+
+
+def _region_ops(intent: Intent, by_line, all_ops: list[EagerOp]) -> list[EagerOp]:
+    if intent.category == IntentCategory.optimizer_step:
+        return [op for op in all_ops if op.phase == Phase.optimizer]
+    ops = [op for span in intent.spans for line in range(span.line_start, span.line_end + 1) for op in by_line.get((span.file, line), [])]
+    if intent.category == IntentCategory.host_sync:
+        return [op for op in ops if op.name in _HOST_SYNC_OPS] or ops
+    return ops
+
+
+def _region_kernels(intent: Intent, kernels_by_line) -> list[FusionGroup]:
+    found: dict[int, FusionGroup] = {}
+    for span in intent.spans:
+        for line in range(span.line_start, span.line_end + 1):
+            for kernel in kernels_by_line.get((span.file, line), []):
+                found[id(kernel)] = kernel
+    return list(found.values())
+
+
+def _ops_by_line(ops: list[EagerOp]) -> dict[tuple[str, int], list[EagerOp]]:
+    table: dict[tuple[str, int], list[EagerOp]] = defaultdict(list)
+    for op in ops:
+        if op.span.file != UNATTRIBUTED_FILE:
+            table[(op.span.file, op.span.line_start)].append(op)
+    return table
+
+
+def _kernels_by_line(groups: list[FusionGroup]) -> dict[tuple[str, int], list[FusionGroup]]:
+    table: dict[tuple[str, int], list[FusionGroup]] = defaultdict(list)
+    for group in groups:
+        for span in group.spans:
+            for line in range(span.line_start, span.line_end + 1):
+                table[(span.file, line)].append(group)
+    return table
+
+
+def _overlap(left: list[SourceSpan], right: list[SourceSpan]) -> bool:
+    return any(a.overlaps(b) for a in left for b in right)

@@ -1,0 +1,137 @@
+"""The analyst: collect evidence for a repository and turn it into ranked intents.
+
+Phases (each timed): the static source scan; the eager step profiled on the target in the sandbox;
+the reference (the step under torch.compile in the sandbox, or an evidence pack brought from
+another machine); the advisor's rules over the eager ops; alignment and ranking. User code only ever
+runs in sandbox children.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+from pydantic import Field
+
+from trainbridge.agents.analyst import affinity
+from trainbridge.agents.analyst.align import align
+from trainbridge.agents.analyst.static_scan import scan_repo_result
+from trainbridge.records import FusionGroup, Intent, Record
+from trainbridge.sandbox.results import RunResult
+from trainbridge.sandbox.runner import run_workload
+from trainbridge.sandbox.workload import Workload
+from trainbridge.tools.eager_profile import EagerOpTable
+from trainbridge.tools.inductor_parser import EvidenceSummary, parse_evidence_dir
+
+PhaseCallback = Callable[[str], None]
+
+
+class AnalysisError(RuntimeError):
+    """Evidence could not be collected; the message says which phase failed and why."""
+
+
+class Analysis(Record):
+    repo: str
+    backend: str
+    mode: str = Field(description="runtime (profile + reference), runtime-no-reference, or static")
+    intents: list[Intent]
+    phase_seconds: dict[str, float] = Field(default_factory=dict)
+    eager_ops_per_step: int | None = None
+    eager_step_time_us: float | None = None
+    reference: EvidenceSummary | None = None
+    reference_source: str | None = Field(default=None, description="'compiled here' or the pack's path")
+    skipped_files: list[str] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+
+
+def analyze_repo(
+    workload: Workload,
+    *,
+    backend: str = "cpu",
+    static_only: bool = False,
+    reference_pack: Path | None = None,
+    compile_reference: bool = True,
+    on_phase: PhaseCallback | None = None,
+) -> Analysis:
+    """Analyse `workload` (its root may be a worktree). Raises AnalysisError when a runtime phase fails."""
+    timings: dict[str, float] = {}
+    notes: list[str] = []
+    root = workload.root
+
+    with _timed("static_scan", timings, on_phase):
+        scanned = scan_repo_result(root)
+    skipped = [f"{s.file}: {s.reason}" for s in scanned.skipped]
+    if static_only:
+        intents = align(scanned.intents)
+        return Analysis(repo=str(root), backend=backend, mode="static", intents=intents, phase_seconds=timings,
+                        skipped_files=skipped, notes=["static scan only: no runtime evidence, savings not estimated"])
+
+    with _timed("target_profile", timings, on_phase):
+        profiled = run_workload(workload.with_overrides(steps=1, warmup_steps=1), backend=backend, mode="profile")
+    table = EagerOpTable.model_validate(_extra(profiled, "eager_ops", "profiling the eager step"))
+    optimizer_class = profiled.extra.get("optimizer_class")
+
+    reference_groups: list[FusionGroup] | None = None
+    summary: EvidenceSummary | None = None
+    source: str | None = None
+    if reference_pack is not None or compile_reference:
+        with _timed("reference", timings, on_phase), tempfile.TemporaryDirectory(prefix="trainbridge-evidence-") as tmp:
+            evidence_dir, source = _reference_dir(workload, backend, reference_pack, Path(tmp))
+            parsed = parse_evidence_dir(evidence_dir, root)
+            reference_groups, summary = parsed.groups, parsed.summary
+    else:
+        notes.append("no compiled reference: K (reference kernels) unknown, savings estimated coarsely")
+
+    with _timed("advisor_rules", timings, on_phase):
+        advisor_intents = affinity.detect(table, optimizer_class)
+    with _timed("align", timings, on_phase):
+        intents = align(scanned.intents + advisor_intents, table, reference_groups)
+    step_ops = sum(1 for op in table.ops if op.step == 0)
+    return Analysis(
+        repo=str(root),
+        backend=backend,
+        mode="runtime" if reference_groups is not None else "runtime-no-reference",
+        intents=intents,
+        phase_seconds=timings,
+        eager_ops_per_step=step_ops,
+        eager_step_time_us=(sorted(table.step_times_us)[len(table.step_times_us) // 2] if table.step_times_us else None),
+        reference=summary,
+        reference_source=source,
+        skipped_files=skipped,
+        notes=notes,
+    )
+
+
+def _reference_dir(workload: Workload, backend: str, pack: Path | None, tmp: Path) -> tuple[Path, str]:
+    if pack is not None:
+        from trainbridge.tools.evidence_pack import read_pack
+
+        unpacked = read_pack(pack, tmp)
+        return unpacked.evidence_dir, str(pack)
+    evidence_dir = tmp / "evidence"
+    captured = run_workload(workload.with_overrides(steps=2, warmup_steps=0), backend=backend, mode="capture",
+                            extra_request={"evidence_dir": str(evidence_dir)})
+    return Path(_extra(captured, "evidence_dir", "compiling the reference step with torch.compile")), "compiled here"
+
+
+def _extra(result: RunResult, key: str, what: str):
+    if result.failure is not None:
+        tail = f"\n{result.failure.traceback_tail}" if result.failure.traceback_tail else ""
+        raise AnalysisError(f"{what} failed ({result.failure.kind}): {result.failure.message}{tail}")
+    if key not in result.extra:
+        raise AnalysisError(f"{what} returned no {key}; stderr tail:\n{result.stderr_tail}")
+    return result.extra[key]
+
+
+@contextmanager
+def _timed(phase: str, timings: dict[str, float], on_phase: PhaseCallback | None) -> Iterator[None]:
+    if on_phase is not None:
+        on_phase(phase)
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        timings[phase] = round(time.monotonic() - started, 3)
