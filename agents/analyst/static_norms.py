@@ -1,0 +1,129 @@
+"""Static patterns: normalisations written out (RMSNorm, LayerNorm, L2 normalisation)."""
+
+from __future__ import annotations
+
+from .static_forms import (
+    Factors,
+    centred_of,
+    mean_of,
+    others,
+    plus_eps,
+    reduce_of,
+    rsqrt_of,
+    sqrt_of,
+    square_of,
+    tensor_factors,
+)
+from .static_match import (
+    Ctx,
+    Expr,
+    Found,
+    call,
+    factors,
+    is_const,
+    is_false,
+    pattern,
+    same,
+    terms,
+)
+
+
+@pattern
+def _rms_at(ctx: Ctx, fs: Factors, i: int) -> Found | None:
+    """Factor ``i`` is rsqrt(mean(x^2) + eps) (or divides by its sqrt) and another factor is x."""
+    f, power = fs[i]
+    inner = rsqrt_of(ctx, f) if power == 1 else sqrt_of(ctx, f)
+    eps = plus_eps(ctx, inner) if inner is not None else None
+    squared = mean_of(ctx, eps[0]) if eps is not None else None
+    x = square_of(ctx, squared) if squared is not None else None
+    if x is None:
+        return None
+    rest = others(fs, {i})
+    hits = [j for j, (g, p) in enumerate(rest) if p == 1 and same(g, x)]
+    if not hits:
+        return None
+    weighted = len(tensor_factors(others(rest, {hits[0]}))) > 0
+    form = "x * rsqrt(mean(x^2) + eps)" if power == 1 else "x / sqrt(mean(x^2) + eps)"
+    note = f"RMSNorm written out: {form}" + (" * weight" if weighted else "") + ("" if eps[1] else " (no eps)")
+    return Found(0.6 if weighted else 0.55, note)
+
+
+@pattern
+def rmsnorm(ctx: Ctx, e: Expr) -> Found | None:
+    fs = factors(ctx, e)
+    if len(fs) < 2:
+        return None
+    for i in range(len(fs)):
+        found = _rms_at(ctx, fs, i)
+        if found:
+            return found
+    return None
+
+
+@pattern
+def _variance_of(ctx: Ctx, v: Expr, x: Expr) -> str | None:
+    """``v`` is the variance of ``x`` over a dimension: 'biased' or 'unbiased'."""
+    var = reduce_of(ctx, v, "var")
+    if var is not None:
+        if not same(var.args[0], x):
+            return None
+        biased = is_false(var.kwargs.get("unbiased")) or is_false(var.kwargs.get("correction"))
+        return "biased" if biased else "unbiased"
+    squared = mean_of(ctx, v)
+    centred = square_of(ctx, squared) if squared is not None else None
+    return "biased" if centred is not None and same(centred_of(ctx, centred), x) else None
+
+
+@pattern
+def _layernorm_product(ctx: Ctx, e: Expr, bias: bool = False) -> Found | None:
+    fs = factors(ctx, e)
+    for i, (c, p) in enumerate(fs):
+        x = centred_of(ctx, c) if p == 1 else None
+        if x is None:
+            continue
+        for j, (s, q) in enumerate(fs):
+            if j == i:
+                continue
+            inner = sqrt_of(ctx, s) if q == -1 else rsqrt_of(ctx, s)
+            eps = plus_eps(ctx, inner) if inner is not None else None
+            kind = _variance_of(ctx, eps[0], x) if eps is not None else None
+            if kind is None:
+                continue
+            weighted = len(tensor_factors(others(fs, {i, j}))) > 0
+            note = "LayerNorm written out: (x - mean) / sqrt(var + eps)" + (" * weight" if weighted else "")
+            note += " + bias" if bias else ""
+            if kind == "unbiased":
+                return Found(0.4, note + "; uses the unbiased variance, which F.layer_norm does not")
+            return Found(0.6, note)
+        return None
+    return None
+
+
+@pattern
+def layernorm(ctx: Ctx, e: Expr) -> Found | None:
+    parts = terms(ctx, e)
+    if len(parts) == 1:
+        return _layernorm_product(ctx, e)
+    if len(parts) == 2 and all(sign == 1 for _, sign in parts):
+        for (product, _), (bias, _) in (parts, parts[::-1]):
+            found = _layernorm_product(ctx, product, bias=True)
+            if found:
+                return found
+    return None
+
+
+@pattern
+def normalize(ctx: Ctx, e: Expr) -> Found | None:
+    """``x / x.norm(dim=-1, keepdim=True)`` (optionally clamped or + eps)."""
+    div = call(ctx, e, "div")
+    if div is None:
+        return None
+    denominator = plus_eps(ctx, div.args[1])
+    if denominator is None:
+        return None
+    norm = call(ctx, denominator[0], "norm", "vector_norm")
+    if norm is not None and same(norm.args[0], div.args[0]):
+        order = norm.arg(1, "p") if norm.op == "norm" else norm.arg(1, "ord")
+        if order is None or is_const(order, 2.0):
+            return Found(0.45, "L2 normalisation written out: x / x.norm(dim, keepdim=True)")
+    return None

@@ -1,0 +1,75 @@
+"""The registry of the static scan's expression patterns, and what helper functions compute.
+
+Each pattern is a small matcher (in static_norms, static_activations, static_attention,
+static_layout) tried on every operation of every statement; it returns ``Found`` (how specific
+the match is, what it saw) or None. Confidence stays in 0.3-0.6: a source match says what the
+code computes, not what it costs. To add a category: write a matcher with the primitives of
+static_match / static_forms and add an ``ExprPattern`` below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from trainbridge.records import IntentCategory
+
+from .static_activations import gelu, gelu_shape, geglu, rope, silu, silu_form, swiglu
+from .static_attention import attention, cross_entropy, softmax
+from .static_forms import activation_of, rotate_half_inline
+from .static_layout import permute_reshape, redundant_cast
+from .static_match import Ctx, Expr, Found, Helper, RepoIndex, is_param
+from .static_norms import layernorm, normalize, rmsnorm
+
+
+def classify_helper(index: RepoIndex, helper: Helper) -> str | None:
+    """What a function of the scanned code computes from its first tensor argument, if recognised.
+
+    'silu' / 'gelu' for the activation written out or a wrapper of the library one
+    (``return F.silu(x)``), 'quick_gelu' for x * sigmoid(1.702 x), 'rotate_half' for the
+    cat((-x2, x1)) form.
+    """
+    if not helper.scope.returns:
+        return None
+    result = helper.scope.returns[-1]
+    checks = (
+        ("silu", silu_form),
+        ("silu", lambda c, e: activation_of(c, e, "silu")),
+        ("gelu", gelu_shape),
+        ("quick_gelu", gelu_shape),
+        ("gelu", lambda c, e: activation_of(c, e, "gelu")),
+        ("rotate_half", rotate_half_inline),
+    )
+    for kind, check in checks:
+        ctx = Ctx(index, helper.file, helper.scope)
+        x = check(ctx, result)
+        if isinstance(x, tuple):
+            quick = x[1].startswith("QuickGELU")
+            x = x[0] if quick == (kind == "quick_gelu") else None
+        if x is not None and is_param(ctx, x, helper.scope):
+            return kind
+    return None
+
+
+@dataclass(frozen=True)
+class ExprPattern:
+    category: IntentCategory
+    match: Callable[[Ctx, Expr], Found | None]
+
+
+# Order matters only when two patterns match at the same expression: the earlier one wins.
+EXPRESSION_PATTERNS: tuple[ExprPattern, ...] = (
+    ExprPattern(IntentCategory.attention, attention),
+    ExprPattern(IntentCategory.cross_entropy, cross_entropy),
+    ExprPattern(IntentCategory.layernorm, layernorm),
+    ExprPattern(IntentCategory.rmsnorm, rmsnorm),
+    ExprPattern(IntentCategory.rope, rope),
+    ExprPattern(IntentCategory.swiglu, swiglu),
+    ExprPattern(IntentCategory.geglu, geglu),
+    ExprPattern(IntentCategory.gelu, gelu),
+    ExprPattern(IntentCategory.silu, silu),
+    ExprPattern(IntentCategory.softmax, softmax),
+    ExprPattern(IntentCategory.normalize, normalize),
+    ExprPattern(IntentCategory.permute_reshape, permute_reshape),
+    ExprPattern(IntentCategory.redundant_cast, redundant_cast),
+)

@@ -1,0 +1,165 @@
+"""Static source scan: the hand-written patterns TrainBridge can rewrite, found from the source alone.
+
+Used with ``--static`` when there is no runtime evidence, and as a second opinion that pins down
+exact line spans for runtime intents. Every finding is an ``Intent`` with
+``source=IntentSource.static``, ``evidence.detectors == ["static"]``, a note saying what was
+matched and a confidence of 0.3-0.6 (a source match says what code computes, not what it costs).
+
+What is found (see ``static_patterns.EXPRESSION_PATTERNS`` and ``static_rules.PROGRAM_RULES``):
+rmsnorm, layernorm, rope, swiglu, geglu, silu, gelu (tanh, erf and QuickGELU forms), attention
+(matmul / einsum, spread over several statements), softmax, cross_entropy, normalize (L2),
+permute_reshape, redundant_cast, optimizer_step (foreach=False; the default implementation at
+lower confidence), zero_grad (set_to_none=False or
+per-tensor p.grad.zero_()), host_sync (.item()/.cpu()/.tolist() once per training step) and
+conv_layout (a conv net without channels_last anywhere in the scanned files).
+
+Deliberately not reported: a plain ``zero_grad()`` (``set_to_none=True`` is its default since
+torch 2.0, so there is nothing to gain), chains of small elementwise ops with no library
+equivalent (their cost only shows in runtime evidence: Inductor's fused kernels), and host syncs
+in code that runs once, every N steps, or in a loop that synchronizes the device anyway.
+
+Files that do not parse: ``scan_source`` raises ``StaticScanError`` naming the file and line;
+``scan_repo`` skips such a file with a logged warning (``on_syntax_error="raise"`` to fail
+instead), and ``scan_repo_result`` returns the skipped files with the reason.
+
+Which files ``scan_repo`` reads when none are given: every ``*.py`` under the root except hidden
+folders, virtual environments, build output and tests (folders ``tests``/``test``, files
+``test_*.py``, ``*_test.py``, ``conftest.py``): reference implementations in tests are not
+rewrite targets.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainbridge.records import Intent
+
+from .static_ir import build_file_model
+from .static_model import FileModel, StaticScanError
+from .static_match import Ctx, Match, RepoIndex
+from .static_patterns import EXPRESSION_PATTERNS, classify_helper
+from .static_resolve import build_intents
+from .static_rules import PROGRAM_RULES
+
+__all__ = ["StaticScanError", "StaticScanResult", "SkippedFile", "scan_repo", "scan_repo_result", "scan_source"]
+
+log = logging.getLogger(__name__)
+
+_SKIP_DIRS = frozenset(
+    {"__pycache__", "venv", "env", "site-packages", "node_modules", "build", "dist", "tests", "test"}
+)
+
+
+class SkippedFile(BaseModel):
+    """A file the scan could not read or parse, and why."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    file: str
+    reason: str
+
+
+class StaticScanResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    intents: list[Intent]
+    skipped: list[SkippedFile] = Field(default_factory=list)
+    files: list[str] = Field(default_factory=list, description="the repo-relative files that were scanned")
+
+
+def _expression_matches(index: RepoIndex, file: FileModel) -> list[Match]:
+    matches = []
+    for scope in file.scopes:
+        for root in scope.roots:
+            for expr in root.walk():
+                if expr.kind != "call":  # every operation is a call; names are followed by the patterns
+                    continue
+                for priority, p in enumerate(EXPRESSION_PATTERNS):
+                    ctx = Ctx(index, file, scope)
+                    found = p.match(ctx, expr)
+                    if found:
+                        matches.append(Match.from_ctx(p.category, ctx, expr, found, priority))
+    return matches
+
+
+def scan_models(files: dict[str, FileModel]) -> list[Intent]:
+    """Intents of already-parsed files (keys: repo-relative POSIX paths)."""
+    index = RepoIndex(files, classify_helper)
+    matches: list[Match] = []
+    for file in files.values():
+        matches += _expression_matches(index, file)
+    for rule in PROGRAM_RULES:
+        matches += rule(list(files.values()))
+    return build_intents(matches)
+
+
+def scan_source(code: str, relpath: str) -> list[Intent]:
+    """Intents of one file's source. Raises StaticScanError when it does not parse.
+
+    Rules that look at the whole repository (conv_layout's "channels_last anywhere", helper
+    functions imported from other files) see only this file.
+    """
+    return scan_models({relpath: build_file_model(code, relpath)})
+
+
+def _discover(root: Path) -> list[Path]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if any(p.startswith(".") or p in _SKIP_DIRS for p in parts[:-1]):
+            continue
+        name = parts[-1]
+        if name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py":
+            continue
+        found.append(path)
+    return found
+
+
+def _relpath(root: Path, path: Path) -> str:
+    full = path if path.is_absolute() else root / path
+    try:
+        return full.resolve().relative_to(root).as_posix()
+    except ValueError:
+        raise ValueError(f"{path} is not inside the repository {root}: pass files under the scanned root") from None
+
+
+def scan_repo_result(
+    root: Path, files: list[Path] | None = None, *, on_syntax_error: Literal["skip", "raise"] = "skip"
+) -> StaticScanResult:
+    """Scan ``files`` (absolute or relative to ``root``; default: the repository's sources)."""
+    root = Path(root).resolve()
+    if not root.is_dir():
+        raise FileNotFoundError(f"repository root {root} is not a directory")
+    paths = _discover(root) if files is None else [Path(f) for f in files]
+    models: dict[str, FileModel] = {}
+    skipped: list[SkippedFile] = []
+    for path in paths:
+        rel = _relpath(root, path)
+        full = root / rel
+        try:
+            code = full.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            if on_syntax_error == "raise":
+                raise StaticScanError(rel, None, f"cannot read it ({exc})") from exc
+            skipped.append(SkippedFile(file=rel, reason=f"cannot read it: {exc}"))
+            log.warning("static scan skipped %s: cannot read it (%s)", rel, exc)
+            continue
+        try:
+            models[rel] = build_file_model(code, rel)
+        except StaticScanError as exc:
+            if on_syntax_error == "raise":
+                raise
+            skipped.append(SkippedFile(file=rel, reason=str(exc)))
+            log.warning("static scan skipped %s", exc)
+    return StaticScanResult(intents=scan_models(models), skipped=skipped, files=sorted(models))
+
+
+def scan_repo(
+    root: Path, files: list[Path] | None = None, *, on_syntax_error: Literal["skip", "raise"] = "skip"
+) -> list[Intent]:
+    """Intents of a repository's sources; see the module docstring for what is read and skipped."""
+    return scan_repo_result(root, files, on_syntax_error=on_syntax_error).intents
