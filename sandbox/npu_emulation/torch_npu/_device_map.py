@@ -1,0 +1,114 @@
+"""Map the `npu` device onto the CPU so that ported programs run unchanged.
+
+What `install()` does (once per process, at `import torch_npu`, like the real plugin):
+- registers `npu` as PyTorch's PrivateUse1 backend with Python hooks and `torch.npu` as its device
+  module (torch.utils.backend_registration._setup_privateuseone_for_python_backend), so
+  torch.device("npu:0"), torch.get_device_module("npu") and torch.accelerator queries work;
+- pushes a TorchFunctionMode that rewrites npu devices to cpu in every torch call: `device=`
+  arguments of factories and methods, the positional device of Tensor.to, and constructors run
+  under torch.set_default_device("npu") / `with torch.device("npu")`;
+- Tensor.npu() / Module.npu() return CPU tensors; pin_memory() for the npu is a no-op (host memory
+  is the device memory); torch.autocast("npu", ...) runs CPU autocast with the same dtype.
+
+Limits: torch function modes are thread-local, so device arguments in threads other than the
+importing one are not rewritten (the DataLoader pin-memory thread is covered by the pin_memory
+patch); torch.Generator(device="npu") is not supported (use the default generator).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _device as _torch_device
+
+_CPU = torch.device("cpu")
+_installed = False
+
+
+def _is_npu(device) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # a bare index names the current accelerator, which is the npu
+    if isinstance(device, str):
+        return device == "npu" or device.startswith("npu:")
+    if isinstance(device, torch.device):
+        return device.type == "npu"
+    return False
+
+
+class NpuToCpuMode(TorchFunctionMode):
+    """Rewrites npu device arguments to cpu before the call reaches the dispatcher."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dev = kwargs.get("device")
+        if dev is not None:
+            if _is_npu(dev):
+                kwargs = {**kwargs, "device": _CPU}
+        elif func in _torch_device._device_constructors():
+            current = _torch_device.CURRENT_DEVICE
+            if current is not None and current.type == "npu":
+                kwargs = {**kwargs, "device": _CPU}
+        if len(args) > 1 and getattr(func, "__name__", None) == "to" and _is_npu(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+def _tensor_npu(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+    """Tensor.npu(): the emulated NPU is the CPU."""
+    if device is not None:
+        torch.npu._index(device)  # validates the ordinal like the real method
+    return self.to(device=_CPU, non_blocking=non_blocking, memory_format=memory_format)
+
+
+def _module_npu(self, device=None):
+    return self._apply(lambda t: _tensor_npu(t, device))
+
+
+def _patch_pin_memory() -> None:
+    original_pin, original_is_pinned = torch.Tensor.pin_memory, torch.Tensor.is_pinned
+
+    def pin_memory(self, device=None):
+        if device is None or _is_npu(device):
+            return self
+        return original_pin(self, device)
+
+    def is_pinned(self, device=None):
+        if device is None or _is_npu(device):
+            return False
+        return original_is_pinned(self, device)
+
+    torch.Tensor.pin_memory = pin_memory
+    torch.Tensor.is_pinned = is_pinned
+
+
+def _patch_autocast() -> None:
+    autocast_cls = torch.amp.autocast_mode.autocast
+    original_init = autocast_cls.__init__
+
+    def __init__(self, device_type, *args, **kwargs):
+        if device_type == "npu":
+            device_type = "cpu"
+        original_init(self, device_type, *args, **kwargs)
+
+    autocast_cls.__init__ = __init__
+
+
+def install(npu_module) -> None:
+    """Idempotent; raises if another PrivateUse1 backend is already registered in this process."""
+    global _installed
+    if _installed:
+        return
+    from torch.utils import backend_registration
+
+    current = torch._C._get_privateuse1_backend_name()
+    if current not in ("privateuseone", "npu"):
+        raise RuntimeError(
+            f"cannot emulate torch_npu: PyTorch's PrivateUse1 backend is already registered as {current!r}"
+        )
+    backend_registration._setup_privateuseone_for_python_backend(rename="npu", backend_module=npu_module)
+    torch.Tensor.npu = _tensor_npu
+    torch.nn.Module.npu = _module_npu
+    _patch_pin_memory()
+    _patch_autocast()
+    NpuToCpuMode().__enter__()  # stays on the mode stack for the life of the process
+    _installed = True
