@@ -1,0 +1,21 @@
+"""Port a CUDA training program to the Ascend NPU as a reviewable source rewrite (libcst).
+
+Where torch_npu's `transfer_to_npu` monkey-patches cuda -> npu at run time, this rewrites the code
+(device strings, `.cuda()`, `torch.cuda.*` that torch.npu provides, amp, nccl -> hccl, and
+`import torch_npu`), and reports with file:line what it cannot port: Triton, flash-attn, FP8, CUDA
+graphs, CUDA extensions, the `kernels` hub, torch.compile choices and cuDNN/CUDA backend flags.
+"""
+
+from trainbridge.tools.porting.repo import port_repo
+from trainbridge.tools.porting.results import (
+    ChangeKind,
+    PortChange,
+    PortResult,
+    RepoPortResult,
+    SkipCategory,
+    Skipped,
+)
+from trainbridge.tools.porting.source import port_source
+
+__all__ = ["ChangeKind", "PortChange", "PortResult", "RepoPortResult", "SkipCategory", "Skipped", "port_repo",
+           "port_source"]
