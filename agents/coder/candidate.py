@@ -1,0 +1,95 @@
+"""Make one candidate: apply a recipe to the intent's span in a fresh candidate worktree, commit it.
+
+The user's checkout is never touched: the edit happens in the candidate's own worktree, which is
+reset to the run head first (so a re-run after a crash starts clean and the commit is deduplicated
+by its trailer).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import Field
+
+from trainbridge.knowledge.schema import Recipe
+from trainbridge.records import Intent, Record, SourceSpan
+from trainbridge.tools.codemods.engine import CodemodRefused, apply_recipe
+
+
+class Candidate(Record):
+    name: str
+    intent_id: str
+    category: str
+    recipe_id: str | None
+    branch: str
+    sha: str
+    base_sha: str
+    diff: str
+    files: list[str] = Field(default_factory=list)
+    sites: list[SourceSpan] = Field(default_factory=list)
+    worktree: str
+
+
+class CoderRefusal(Record):
+    recipe_id: str
+    reason: str
+    close: list[str] = Field(default_factory=list)
+
+
+def candidate_name(intent: Intent, recipe_id: str, attempt: int = 0) -> str:
+    name = f"{intent.id}-{re.sub(r'[^A-Za-z0-9_-]', '_', recipe_id)}"
+    return name if attempt == 0 else f"{name}-r{attempt}"
+
+
+def commit_message(intent: Intent, recipe: Recipe, sites: list[SourceSpan]) -> str:
+    evidence = intent.evidence
+    k = "?" if evidence.reference_kernels is None else evidence.reference_kernels
+    n = "?" if evidence.target_ops is None else evidence.target_ops
+    where = ", ".join(str(s) for s in sites)
+    lines = [
+        f"trainbridge: {recipe.title}",
+        "",
+        f"Intent {intent.id} ({intent.category}) at {where}.",
+        f"Evidence: reference kernels K={k} vs eager ops N={n} per step; detectors: {', '.join(evidence.detectors) or 'none'}.",
+        f"Recipe {recipe.id} ({recipe.provenance.kind}); numerics class {recipe.numerics.class_}.",
+    ]
+    if intent.estimated_saving_us is not None:
+        lines.append(f"Estimated saving (not measured): {intent.estimated_saving_us / 1000:.2f} ms per step.")
+    return "\n".join(lines)
+
+
+def make_candidate(workspace, intent: Intent, recipe: Recipe, attempt: int = 0) -> Candidate | CoderRefusal:
+    """Apply `recipe` at the first of the intent's spans where it applies; commit; or say why not."""
+    name = candidate_name(intent, recipe.id, attempt)
+    cand = workspace.start_candidate(name)
+    reasons, close = [], []
+    for span in intent.spans:
+        path = Path(cand.path) / span.file
+        if not path.is_file():
+            reasons.append(f"{span.file} does not exist in the run branch")
+            continue
+        source = path.read_text(encoding="utf-8")
+        try:
+            edit = apply_recipe(source, recipe, span)
+        except CodemodRefused as refused:
+            reasons.append(refused.reason)
+            close.extend(refused.close)
+            continue
+        try:
+            compile(edit.source, str(path), "exec")
+        except SyntaxError as exc:
+            reasons.append(f"the rewritten {span.file} does not compile: {exc}")
+            continue
+        path.write_text(edit.source, encoding="utf-8")
+        result = workspace.commit_candidate(name, commit_message(intent, recipe, edit.sites))
+        if result.sha is None:
+            reasons.append("the rewrite left the file unchanged")
+            continue
+        return Candidate(
+            name=name, intent_id=intent.id, category=str(intent.category), recipe_id=recipe.id,
+            branch=result.branch, sha=result.sha, base_sha=result.base_sha,
+            diff=workspace.candidate_diff(name), files=result.files, sites=edit.sites, worktree=str(cand.path),
+        )
+    workspace.reject_candidate(name)
+    return CoderRefusal(recipe_id=recipe.id, reason="; ".join(reasons) or "the intent has no source span", close=close[:5])

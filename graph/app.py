@@ -1,0 +1,121 @@
+"""Entry points of the loop: start, resume, review, status. The graph is compiled here with a SQLite
+checkpointer whose thread id is the run id, so a killed run continues where it stopped."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from langgraph.checkpoint.sqlite import SqliteSaver
+from langgraph.types import Command
+
+from trainbridge.graph.builder import build_graph
+from trainbridge.graph.context import RunContext
+from trainbridge.graph.review import ReviewDecision
+from trainbridge.graph.state import RunConfig, RunPaths, runs_root
+
+RECURSION_LIMIT = 10_000  # each candidate is ~5 steps; the budget and candidate limit stop a run long before
+
+
+class RunError(RuntimeError):
+    """A run cannot be started, resumed or reviewed; the message says what to do."""
+
+
+@dataclass
+class RunOutcome:
+    run_id: str
+    finished: bool
+    waiting_for_review: dict[str, Any] | None
+    state: dict[str, Any]
+
+
+@contextmanager
+def _compiled(paths: RunPaths) -> Iterator[Any]:
+    paths.dir.mkdir(parents=True, exist_ok=True)
+    connection = sqlite3.connect(str(paths.checkpoints), check_same_thread=False)
+    try:
+        yield build_graph().compile(checkpointer=SqliteSaver(connection))
+    finally:
+        connection.close()
+
+
+def _thread(run_id: str) -> dict[str, Any]:
+    return {"configurable": {"thread_id": run_id}, "recursion_limit": RECURSION_LIMIT}
+
+
+def load_config(run_id: str, root: Path | None = None) -> tuple[RunConfig, RunPaths]:
+    paths = RunPaths(run_id, root)
+    if not paths.config.is_file():
+        known = sorted(p.name for p in (root or runs_root()).glob("*") if (p / "run.json").is_file())
+        raise RunError(f"no run {run_id!r} under {(root or runs_root())} (known: {', '.join(known) or 'none'})")
+    return RunConfig.model_validate_json(paths.config.read_text(encoding="utf-8")), paths
+
+
+def start_run(config: RunConfig, *, say: Callable[[str], None] = lambda m: None, root: Path | None = None) -> RunOutcome:
+    paths = RunPaths(config.run_id, root)
+    if paths.config.exists():
+        raise RunError(f"run {config.run_id!r} already exists: continue it with `trainbridge resume {config.run_id}`")
+    paths.dir.mkdir(parents=True, exist_ok=True)
+    tmp = paths.config.with_suffix(".tmp")
+    tmp.write_text(config.model_dump_json(indent=2), encoding="utf-8")
+    tmp.replace(paths.config)
+    return _invoke(config, paths, {"run_id": config.run_id}, say)
+
+
+def resume_run(run_id: str, *, say: Callable[[str], None] = lambda m: None, root: Path | None = None) -> RunOutcome:
+    config, paths = load_config(run_id, root)
+    status = run_status(run_id, root)
+    if status["waiting_for_review"] is not None:
+        return RunOutcome(run_id, False, status["waiting_for_review"], status["state"])
+    if status["finished"]:
+        return RunOutcome(run_id, True, None, status["state"])
+    return _invoke(config, paths, None, say)
+
+
+def answer_review(run_id: str, decision: dict[str, Any], *, say: Callable[[str], None] = lambda m: None,
+                  root: Path | None = None) -> RunOutcome:
+    config, paths = load_config(run_id, root)
+    status = run_status(run_id, root)
+    if status["waiting_for_review"] is None:
+        raise RunError(f"run {run_id!r} is not waiting for a review (last node: {status['state'].get('node')})")
+    validated = ReviewDecision.model_validate(decision).model_dump(mode="json", by_alias=True)
+    return _invoke(config, paths, Command(resume=validated), say)
+
+
+def run_status(run_id: str, root: Path | None = None) -> dict[str, Any]:
+    config, paths = load_config(run_id, root)
+    with _compiled(paths) as graph:
+        snapshot = graph.get_state(_thread(run_id))
+    interrupts = [i.value for task in snapshot.tasks for i in task.interrupts]
+    return {
+        "run_id": run_id,
+        "config": config.model_dump(mode="json"),
+        "state": dict(snapshot.values),
+        "next": list(snapshot.next),
+        "finished": bool(snapshot.values) and not snapshot.next,
+        "waiting_for_review": interrupts[0] if interrupts else None,
+    }
+
+
+def _invoke(config: RunConfig, paths: RunPaths, payload: Any, say: Callable[[str], None]) -> RunOutcome:
+    context = RunContext(config=config, paths=paths, say=say)
+    with _compiled(paths) as graph:
+        result = graph.invoke(payload, _thread(config.run_id), context=context)
+        snapshot = graph.get_state(_thread(config.run_id))
+    interrupts = result.get("__interrupt__") if isinstance(result, dict) else None
+    waiting = interrupts[0].value if interrupts else None
+    return RunOutcome(config.run_id, finished=not snapshot.next, waiting_for_review=waiting, state=dict(snapshot.values))
+
+
+def summary_line(state: dict[str, Any]) -> str:
+    accepted = state.get("accepted") or []
+    return (f"node {state.get('node')}, intents left {len([i for i in state.get('intents', []) if i['id'] not in state.get('done_intents', [])])}, "
+            f"candidates tried {state.get('candidates_tried') or 0}, accepted {len(accepted)}")
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, indent=2, default=str)

@@ -1,0 +1,40 @@
+"""Services a run's nodes use (knowledge base, git workspace, progress output), rebuilt per process.
+
+They are not part of the checkpointed state: a resumed run builds them again from `run.json`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Callable
+
+from trainbridge.graph.state import RunConfig, RunPaths
+
+
+@dataclass
+class RunContext:
+    config: RunConfig
+    paths: RunPaths
+    say: Callable[[str], None] = field(default=lambda message: None)
+
+    @cached_property
+    def kb(self):
+        from trainbridge.knowledge.store import KnowledgeBase
+
+        kb = KnowledgeBase.connect(self.config.kb_url) if self.config.kb_url else KnowledgeBase(self.config.kb_dir)
+        if self.config.extra_recipe_dir:
+            kb.load_seeds(self.config.extra_recipe_dir)
+        return kb
+
+    @cached_property
+    def user_repo(self):
+        from trainbridge.tools.git_ops import open_repo
+
+        return open_repo(Path(self.config.repo))
+
+    def workspace(self, base: str = "HEAD"):
+        from trainbridge.tools.git_ops import RunWorkspace
+
+        return RunWorkspace.create_run(self.user_repo, self.config.run_id, base, workspace_root=self.paths.workspace)

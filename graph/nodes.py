@@ -1,0 +1,353 @@
+"""The loop's nodes: each a function of (state, runtime) that returns a partial state update.
+
+Every node can be re-run after a crash (LangGraph restarts the interrupted node from its first line):
+git operations are idempotent (candidate commits carry a trailer, accepts are compare-and-swap),
+knowledge-base outcomes have deterministic ids, and measurements are simply taken again.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from langgraph.runtime import Runtime
+from langgraph.types import interrupt
+
+from trainbridge.agents.coder.candidate import Candidate, CoderRefusal, make_candidate
+from trainbridge.graph.context import RunContext
+from trainbridge.graph.review import REVIEW_SCHEMA_VERSION, ReviewDecision, review_payload
+from trainbridge.graph.state import RunState
+from trainbridge.knowledge.schema import Outcome
+from trainbridge.records import Intent
+from trainbridge.sandbox.workload import Workload, load_workload
+
+
+class RunStopped(RuntimeError):
+    """The run cannot continue (unsafe repository, baseline fails); the message says why."""
+
+
+# --- prepare -------------------------------------------------------------------------------------
+
+
+def prepare(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
+    ctx = runtime.context
+    workspace = ctx.workspace(state.get("base_sha") or "HEAD")
+    update: dict[str, Any] = {"node": "prepare", "base_sha": workspace.info.base_sha, "run_branch": workspace.branch}
+    if not state.get("started_at"):
+        update["started_at"] = time.time()
+    if state.get("baseline_step_s") is None:
+        ctx.say("measuring the baseline step")
+        result = _measure(_workload(workspace.worktree), ctx)
+        if result.failure is not None:
+            raise RunStopped(f"the unmodified program fails in the sandbox ({result.failure.kind}): {result.failure.message}")
+        update["baseline_step_s"] = result.median_step_s()
+    return update
+
+
+def _workload(root: Path) -> Workload:
+    return load_workload(root)
+
+
+def _measure(workload: Workload, ctx: RunContext):
+    from trainbridge.sandbox.runner import run_workload
+
+    return run_workload(workload, backend=_measure_backend(ctx))
+
+
+def _measure_backend(ctx: RunContext) -> str:
+    """NPU emulation runs on the CPU: measure there (and never claim NPU speed from it)."""
+    if ctx.config.target == "npu" and emulated_npu(ctx):
+        return "cpu"
+    return ctx.config.target
+
+
+def emulated_npu(ctx: RunContext) -> bool:
+    from trainbridge.sandbox.backends import probe
+
+    return not probe("npu").available
+
+
+# --- analyst -------------------------------------------------------------------------------------
+
+
+def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
+    from trainbridge.agents.analyst.analyze import analyze_repo
+
+    ctx = runtime.context
+    workspace = ctx.workspace(state["base_sha"])
+    ctx.say("analysing the run branch head")
+    pack = Path(ctx.config.reference_pack) if ctx.config.reference_pack else None
+    first = not state.get("analyses")
+    analysis = analyze_repo(_workload(workspace.worktree), backend=_measure_backend(ctx), reference_pack=pack if first else None,
+                            compile_reference=ctx.config.compile_reference and first)
+    done = set(state.get("done_intents", []))
+    wanted = set(ctx.config.categories) if ctx.config.categories else None
+    intents = [i for i in analysis.intents if i.id not in done and (wanted is None or str(i.category) in wanted)]
+    update: dict[str, Any] = {
+        "node": "analyst",
+        "intents": [i.model_dump(mode="json") for i in intents],
+        "analyses": (state.get("analyses") or 0) + 1,
+        "eager_ops_now": analysis.eager_ops_per_step,
+    }
+    if first:
+        update["eager_ops_before"] = analysis.eager_ops_per_step
+    return update
+
+
+# --- retrieval -----------------------------------------------------------------------------------
+
+
+def retrieval(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
+    """Pick the best remaining intent and the recipes to try for it, best first."""
+    ctx = runtime.context
+    done = set(state.get("done_intents", []))
+    for data in state.get("intents", []):
+        intent = Intent.model_validate(data)
+        if intent.id in done:
+            continue
+        ranked = ctx.kb.rank_recipes(intent, ctx.config.target, n=5)
+        queue = [r.recipe.id for r in ranked if str(r.recipe.category) == str(intent.category)
+                 and (ctx.config.recipe_ids is None or r.recipe.id in ctx.config.recipe_ids)]
+        ctx.say(f"intent {intent.category} at {', '.join(str(s) for s in intent.spans)}: {len(queue)} recipe(s)")
+        return {"node": "retrieval", "current_intent": data, "recipe_queue": queue, "candidate": None,
+                "review_feedback": None, "verdict": None}
+    return {"node": "retrieval", "current_intent": None, "recipe_queue": [], "stop_reason": state.get("stop_reason") or "no intents left"}
+
+
+def route_after_retrieval(state: RunState) -> Literal["coder", "decide", "report"]:
+    if state.get("current_intent") is None:
+        return "report"
+    return "coder" if state.get("recipe_queue") else "decide"
+
+
+# --- coder ---------------------------------------------------------------------------------------
+
+
+def coder(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
+    """Apply the next recipe that fits; refusals are recorded as verdicts and the queue moves on."""
+    ctx = runtime.context
+    workspace = ctx.workspace(state["base_sha"])
+    intent = Intent.model_validate(state["current_intent"])
+    queue = list(state.get("recipe_queue", []))
+    refusals: list[dict[str, Any]] = []
+    attempt = sum(1 for v in state.get("verdicts", []) if v.get("intent_id") == intent.id)
+    while queue:
+        recipe = ctx.kb.get_recipe(queue.pop(0))
+        if recipe is None:
+            continue
+        made = make_candidate(workspace, intent, recipe, attempt)
+        if isinstance(made, Candidate):
+            ctx.say(f"candidate {made.name}: {', '.join(made.files)}")
+            return {"node": "coder", "candidate": made.model_dump(mode="json"), "recipe_queue": queue, "verdicts": refusals}
+        refusals.append(_refusal_record(intent, made))
+    return {"node": "coder", "candidate": None, "recipe_queue": [], "verdicts": refusals}
+
+
+def _refusal_record(intent: Intent, refusal: CoderRefusal) -> dict[str, Any]:
+    return {"intent_id": intent.id, "category": str(intent.category), "recipe_id": refusal.recipe_id, "candidate": None,
+            "accepted": False, "reason": "not_applicable", "message": refusal.reason, "ratio": None, "ratio_ci": None}
+
+
+def route_after_coder(state: RunState, runtime: Runtime[RunContext]) -> Literal["review", "profiler", "decide"]:
+    if state.get("candidate") is None:
+        return "decide"
+    return "review" if runtime.context.config.review else "profiler"
+
+
+# --- review --------------------------------------------------------------------------------------
+
+
+def review(state: RunState) -> dict[str, Any]:
+    """Only the interrupt: on resume a node restarts from its first line, so nothing else lives here."""
+    decision = interrupt(review_payload(state))
+    return {"node": "review", "review_decision": ReviewDecision.model_validate(decision).model_dump(mode="json")}
+
+
+def route_after_review(state: RunState) -> Literal["apply_review", "profiler"]:
+    decision = state.get("review_decision") or {}
+    return "profiler" if decision.get("action") == "approve" else "apply_review"
+
+
+def apply_review(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
+    """A rejection goes back to the coder (next recipe) with its reason; an edit replaces the patch."""
+    ctx = runtime.context
+    decision = ReviewDecision.model_validate(state["review_decision"])
+    candidate = Candidate.model_validate(state["candidate"])
+    workspace = ctx.workspace(state["base_sha"])
+    if decision.action == "reject":
+        workspace.reject_candidate(candidate.name)
+        record = _verdict_record(candidate, accepted=False, reason="rejected_in_review", message=decision.reason or "rejected")
+        _record_outcome(ctx, state, candidate, record)
+        return {"node": "apply_review", "candidate": None, "review_feedback": decision.reason, "verdicts": [record],
+                "candidates_tried": (state.get("candidates_tried") or 0) + 1}
+    from trainbridge.graph.review import apply_edit
+
+    try:
+        edited = apply_edit(workspace, candidate, decision.patch or "")
+    except ValueError as exc:  # the reviewer's patch does not apply: drop the candidate, say why
+        workspace.reject_candidate(candidate.name)
+        record = _verdict_record(candidate, accepted=False, reason="review_edit_failed", message=str(exc))
+        return {"node": "apply_review", "candidate": None, "verdicts": [record], "review_feedback": str(exc)}
+    return {"node": "apply_review", "candidate": edited.model_dump(mode="json"),
+            "review_decision": {"action": "approve", "schema": REVIEW_SCHEMA_VERSION}}
+
+
+def route_after_apply_review(state: RunState) -> Literal["coder", "profiler", "decide"]:
+    if state.get("candidate") is not None:
+        return "profiler"
+    return "coder" if state.get("recipe_queue") else "decide"
+
+
+# --- profiler ------------------------------------------------------------------------------------
+
+
+def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
+    from trainbridge.agents.profiler.gate import run_gate
+    from trainbridge.agents.profiler.numerics import NumericsTolerance
+
+    ctx = runtime.context
+    candidate = Candidate.model_validate(state["candidate"])
+    workspace = ctx.workspace(state["base_sha"])
+    recipe = ctx.kb.get_recipe(candidate.recipe_id) if candidate.recipe_id else None
+    tolerance = tolerance_for(recipe.numerics, NumericsTolerance) if recipe is not None else None
+    emulated = ctx.config.target == "npu" and emulated_npu(ctx)
+    ctx.say(f"gate: {candidate.name} ({'numerics only: no NPU here' if emulated else f'{ctx.config.gate_rounds} interleaved rounds'})")
+    verdict = run_gate(_workload(workspace.worktree), _workload(Path(candidate.worktree)), backend=_measure_backend(ctx),
+                       rounds=ctx.config.gate_rounds, min_gain=ctx.config.min_gain, tolerance=tolerance, emulated_speed=emulated)
+    return {"node": "profiler", "verdict": verdict.model_dump(mode="json"), "candidates_tried": (state.get("candidates_tried") or 0) + 1}
+
+
+def tolerance_for(numerics, tolerance_class):
+    """The gate's tolerances from a recipe's numerics class (never tighter than the gate's defaults
+    for a tolerance recipe: the reference's own run-to-run drift sets the floor)."""
+    defaults = tolerance_class()
+    if numerics.class_ == "exact":
+        return tolerance_class(grad_rtol=1e-6, grad_atol=1e-9, loss_rtol=1e-6, loss_atol=1e-9)
+    return tolerance_class(
+        grad_rtol=max(numerics.rtol or 0.0, defaults.grad_rtol),
+        grad_atol=max(numerics.atol or 0.0, defaults.grad_atol),
+        loss_rtol=max(numerics.loss_rtol or 0.0, defaults.loss_rtol),
+    )
+
+
+# --- decide --------------------------------------------------------------------------------------
+
+
+def decide(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
+    """Fast-forward or drop the candidate, record the outcome, and decide whether to go on."""
+    ctx = runtime.context
+    update: dict[str, Any] = {"node": "decide", "verdict": None}
+    intent_data = state.get("current_intent")
+    candidate_data = state.get("candidate")
+    verdict = state.get("verdict")
+    if candidate_data is not None and verdict is not None:
+        candidate = Candidate.model_validate(candidate_data)
+        workspace = ctx.workspace(state["base_sha"])
+        record = _verdict_record(candidate, accepted=verdict["accepted"], reason=verdict["reason"], message=verdict["message"],
+                                 ratio=verdict.get("ratio"), ratio_ci=verdict.get("ratio_ci"))
+        if verdict["accepted"]:
+            result = workspace.accept_candidate(candidate.name)
+            record["sha"] = result.sha
+            update["accepted"] = [record]
+            gain = 1.0 - (verdict.get("ratio") or 1.0)
+            update["low_gain_rounds"] = 0 if gain >= 2 * ctx.config.min_gain else (state.get("low_gain_rounds") or 0) + 1
+        elif verdict["reason"] == "speed_unmeasured_numerics_ok":
+            pushed = workspace.push_to_branch(candidate.name, "pending-npu")
+            record["sha"] = pushed.sha
+            record["pending_branch"] = pushed.branch
+        else:
+            workspace.reject_candidate(candidate.name)
+        _record_outcome(ctx, state, candidate, record)
+        update["verdicts"] = [record]
+        update["candidate"] = None
+        ctx.say(f"verdict {candidate.name}: {record['reason']} ({record['message'][:120]})")
+        if verdict["accepted"]:
+            update["done_intents"] = [candidate.intent_id]
+            return update
+    if state.get("recipe_queue") and not (verdict or {}).get("accepted"):
+        return update  # try the next recipe for the same intent
+    if intent_data is not None and intent_data["id"] not in state.get("done_intents", []):
+        update["done_intents"] = [intent_data["id"]]
+    return update
+
+
+def route_after_decide(state: RunState, runtime: Runtime[RunContext]) -> Literal["coder", "retrieval", "analyst", "report"]:
+    config = runtime.context.config
+    last = (state.get("verdicts") or [{}])[-1]
+    if time.time() - (state.get("started_at") or time.time()) > config.budget_s:
+        return "report"
+    if (state.get("candidates_tried") or 0) >= config.max_candidates:
+        return "report"
+    if (state.get("low_gain_rounds") or 0) >= config.low_gain_rounds_to_stop:
+        return "report"
+    if last.get("accepted") and state.get("candidate") is None and last.get("intent_id") in state.get("done_intents", []):
+        return "analyst"  # fusions interact: re-profile the new head before choosing again
+    if state.get("recipe_queue") and state.get("current_intent") and state["current_intent"]["id"] not in state.get("done_intents", []):
+        return "coder"
+    return "retrieval"
+
+
+def stop_reason(state: RunState, config) -> str:
+    if time.time() - (state.get("started_at") or time.time()) > config.budget_s:
+        return "time budget spent"
+    if (state.get("candidates_tried") or 0) >= config.max_candidates:
+        return f"candidate limit ({config.max_candidates}) reached"
+    if (state.get("low_gain_rounds") or 0) >= config.low_gain_rounds_to_stop:
+        return f"{config.low_gain_rounds_to_stop} accepted rounds below twice the minimum gain"
+    return state.get("stop_reason") or "no intents left"
+
+
+# --- report --------------------------------------------------------------------------------------
+
+
+def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
+    from trainbridge.tools.report import write_report
+
+    ctx = runtime.context
+    workspace = ctx.workspace(state["base_sha"])
+    final = None
+    if state.get("accepted"):
+        ctx.say("measuring the final branch head")
+        result = _measure(_workload(workspace.worktree), ctx)
+        final = result.median_step_s() if result.failure is None else None
+    reason = stop_reason(state, ctx.config)
+    paths = write_report(state, ctx.config, ctx.paths.report, final_step_s=final, stop_reason=reason,
+                         emulated_npu=ctx.config.target == "npu" and emulated_npu(ctx), kb_stats=_kb_stats(ctx))
+    workspace.cleanup()
+    return {"node": "report", "stop_reason": reason, "report_paths": [str(p) for p in paths]}
+
+
+def _kb_stats(ctx: RunContext) -> dict[str, Any] | None:
+    try:
+        return ctx.kb.stats().model_dump(mode="json")
+    except Exception as exc:  # a report must still be written when the KB server went away overnight
+        return {"error": str(exc)}
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def _verdict_record(candidate: Candidate, *, accepted: bool, reason: str, message: str, ratio=None, ratio_ci=None) -> dict[str, Any]:
+    return {"intent_id": candidate.intent_id, "category": candidate.category, "recipe_id": candidate.recipe_id,
+            "candidate": candidate.name, "files": candidate.files, "diff": candidate.diff, "accepted": accepted,
+            "reason": reason, "message": message, "ratio": ratio, "ratio_ci": list(ratio_ci) if ratio_ci else None}
+
+
+def _record_outcome(ctx: RunContext, state: RunState, candidate: Candidate, record: dict[str, Any]) -> None:
+    intent = Intent.model_validate(state["current_intent"])
+    versions = {}
+    outcome = Outcome(
+        id=f"outcome-{ctx.config.run_id}-{candidate.name}",
+        run_id=ctx.config.run_id, intent_id=intent.id, category=intent.category, evidence=intent.evidence,
+        recipe_id=candidate.recipe_id, diff=candidate.diff,
+        verdict="accepted" if record["accepted"] else f"{record['reason']}: {record['message']}"[:2000],
+        ratio=record.get("ratio"), ratio_ci=tuple(record["ratio_ci"]) if record.get("ratio_ci") else None,
+        backend=ctx.config.target, versions=versions,
+    )
+    ctx.kb.record_outcome(outcome)
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None

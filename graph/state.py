@@ -1,0 +1,107 @@
+"""The loop's typed state, its settings, and where a run keeps its files.
+
+State is one TypedDict of JSON-able values (checkpointed after every node); lists that only grow
+(verdicts, accepted commits, finished intents) have an `operator.add` reducer, so a node returns
+just what it adds.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypedDict
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class RunConfig(BaseModel):
+    """Settings of one run. Unknown keys are rejected so a typo fails at start, not at 3 a.m."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    repo: str = Field(description="the user's repository (never modified)")
+    run_id: str
+    target: Literal["cpu", "cuda", "npu"] = "cpu"
+    budget_s: float = Field(default=8 * 3600, gt=0, description="wall-clock budget of the whole run")
+    max_candidates: int = Field(default=50, ge=1)
+    review: bool = False
+    reference_pack: str | None = None
+    compile_reference: bool = True
+    kb_url: str | None = None
+    kb_dir: str | None = None
+    min_gain: float = Field(default=0.01, ge=0, lt=1, description="smallest accepted step-time gain (0.01 = 1%)")
+    gate_rounds: int = Field(default=10, ge=2)
+    low_gain_rounds_to_stop: int = Field(default=2, ge=1)
+    categories: list[str] | None = Field(default=None, description="only these intent categories (None: all)")
+    recipe_ids: list[str] | None = Field(default=None, description="only these recipes (None: all)")
+    extra_recipe_dir: str | None = Field(default=None, description="more recipe files to load (e.g. a team's)")
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str) -> str:
+        if not RUN_ID.match(value):
+            raise ValueError("run ids are 1-64 letters, digits, '_' or '-'")
+        return value
+
+
+class RunState(TypedDict, total=False):
+    run_id: str
+    node: str  # the node that last finished (for `trainbridge status`)
+    base_sha: str
+    run_branch: str
+    started_at: float
+    baseline_step_s: float | None
+    reference_step_s: float | None  # torch.compile of the original (the line the report draws)
+    eager_ops_before: int | None
+    eager_ops_now: int | None
+    intents: list[dict[str, Any]]  # ranked Intent dumps from the latest analysis
+    done_intents: Annotated[list[str], operator.add]
+    current_intent: dict[str, Any] | None
+    recipe_queue: list[str]  # ranked recipe ids left to try for the current intent
+    candidate: dict[str, Any] | None  # name, recipe_id, intent_id, sha, diff, files, site
+    review_feedback: str | None
+    review_decision: dict[str, Any] | None
+    verdict: dict[str, Any] | None  # the gate's verdict on the current candidate
+    verdicts: Annotated[list[dict[str, Any]], operator.add]  # every decided candidate, in order
+    accepted: Annotated[list[dict[str, Any]], operator.add]
+    candidates_tried: int
+    analyses: int
+    low_gain_rounds: int
+    stop_reason: str | None
+    report_paths: list[str]
+
+
+def runs_root() -> Path:
+    """Per-user home of runs (checkpoints, worktrees, reports); TRAINBRIDGE_HOME overrides."""
+    base = os.environ.get("TRAINBRIDGE_HOME")
+    if base:
+        return Path(base).expanduser() / "runs"
+    xdg = os.environ.get("XDG_DATA_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "trainbridge" / "runs"
+
+
+class RunPaths:
+    """Files of one run: its settings, checkpoint database, git workspace and report."""
+
+    def __init__(self, run_id: str, root: Path | None = None):
+        self.dir = (root or runs_root()) / run_id
+
+    @property
+    def config(self) -> Path:
+        return self.dir / "run.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.dir / "checkpoints.sqlite"
+
+    @property
+    def workspace(self) -> Path:
+        return self.dir / "workspace"
+
+    @property
+    def report(self) -> Path:
+        return self.dir / "report"

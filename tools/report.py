@@ -1,0 +1,135 @@
+"""A run's report: `report.md`, a self-contained `report.html` and PNG charts.
+
+Figures come from the run's state only: measured step times (baseline, per accepted commit, final),
+the gate's ratios and confidence intervals, op counts from the analyst. Estimates never appear as
+speedups; without an NPU, NPU candidates say "speed unmeasured (no NPU)".
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+UNMEASURED = "speed unmeasured (no NPU)"
+
+
+def write_report(state: dict[str, Any], config, out_dir: Path, *, final_step_s: float | None, stop_reason: str,
+                 emulated_npu: bool, kb_stats: dict[str, Any] | None) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    charts = _charts(state, out_dir, final_step_s)
+    markdown = _markdown(state, config, final_step_s, stop_reason, emulated_npu, kb_stats, charts)
+    md_path = out_dir / "report.md"
+    md_path.write_text(markdown, encoding="utf-8")
+    html_path = out_dir / "report.html"
+    html_path.write_text(_html(markdown, charts), encoding="utf-8")
+    (out_dir / "run.json").write_text(json.dumps({"state": state, "final_step_s": final_step_s, "stop_reason": stop_reason},
+                                                  indent=2, default=str), encoding="utf-8")
+    return [md_path, html_path, *charts]
+
+
+def _speedup_line(baseline: float | None, final: float | None, accepted: list[dict[str, Any]]) -> str:
+    if not accepted:
+        return "No rewrite was accepted: the run branch equals the base commit."
+    if baseline and final:
+        cis = [tuple(a["ratio_ci"]) for a in accepted if a.get("ratio_ci")]
+        ci = ""
+        if cis and len(cis) == 1:
+            ci = f" (gate's 95% CI of the ratio {cis[0][0]:.3f}–{cis[0][1]:.3f})"
+        return (f"Final step time {final * 1000:.1f} ms vs baseline {baseline * 1000:.1f} ms (the unmodified program, same "
+                f"machine and settings): **{baseline / final:.2f}x**{ci}.")
+    return "Accepted commits have gate-measured ratios below; the final branch could not be re-measured."
+
+
+def _markdown(state, config, final, stop_reason, emulated_npu, kb_stats, charts) -> str:
+    baseline = state.get("baseline_step_s")
+    accepted = state.get("accepted") or []
+    verdicts = state.get("verdicts") or []
+    lines = [
+        f"# TrainBridge run `{config.run_id}`",
+        "",
+        f"- repository: `{config.repo}` (base commit `{(state.get('base_sha') or '')[:12]}`, never modified)",
+        f"- run branch: `{state.get('run_branch')}` — one commit per accepted rewrite",
+        f"- target: `{config.target}`" + (f" — {UNMEASURED}: numerics verified on the CPU emulation; candidates wait on "
+                                            f"`{state.get('run_branch')}.pending-npu` for `trainbridge verify` on an NPU host" if emulated_npu else ""),
+        f"- stopped because: {stop_reason}",
+        f"- candidates tried: {state.get('candidates_tried') or 0}, accepted: {len(accepted)}",
+        "",
+        "## Result",
+        "",
+        _speedup_line(baseline, final, accepted),
+        "",
+    ]
+    if state.get("eager_ops_before") is not None:
+        lines += [f"Eager ops per step: {state['eager_ops_before']} before, {state.get('eager_ops_now')} at the last analysis.", ""]
+    lines += ["## Candidates", "", "| # | intent | recipe | verdict | ratio (CI) | detail |", "|---|---|---|---|---|---|"]
+    for number, record in enumerate(verdicts, start=1):
+        ratio = "-" if record.get("ratio") is None else f"{record['ratio']:.3f}"
+        if record.get("ratio_ci"):
+            ratio += f" ({record['ratio_ci'][0]:.3f}–{record['ratio_ci'][1]:.3f})"
+        if record.get("reason") == "speed_unmeasured_numerics_ok":
+            ratio = UNMEASURED
+        detail = html.escape((record.get("message") or "").replace("\n", " ").replace("|", "/"))[:240]
+        lines.append(f"| {number} | {record.get('category')} | {record.get('recipe_id') or '-'} | "
+                     f"{'accepted' if record.get('accepted') else record.get('reason')} | {ratio} | {detail} |")
+    if kb_stats:
+        lines += ["", "## Knowledge base", "", "```", json.dumps(kb_stats, indent=2, default=str), "```"]
+    if charts:
+        lines += ["", "## Charts", ""] + [f"![{p.stem}]({p.name})" for p in charts]
+    return "\n".join(lines) + "\n"
+
+
+def _charts(state, out_dir: Path, final: float | None) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    baseline = state.get("baseline_step_s")
+    if baseline:
+        labels, values = ["baseline"], [baseline * 1000]
+        for record in state.get("accepted") or []:
+            if record.get("ratio"):
+                labels.append(record.get("category") or "?")
+                values.append(values[-1] * record["ratio"])
+        if final:
+            labels.append("final (measured)")
+            values.append(final * 1000)
+        fig, axis = plt.subplots(figsize=(7, 3.5))
+        axis.bar(range(len(values)), values, color=["#888"] + ["#2a7"] * (len(values) - 1))
+        axis.set_xticks(range(len(values)), labels, rotation=20, ha="right")
+        axis.set_ylabel("step time (ms)")
+        if state.get("reference_step_s"):
+            axis.axhline(state["reference_step_s"] * 1000, color="#c33", linestyle="--", label="torch.compile of the original")
+            axis.legend()
+        axis.set_title("Step time per accepted commit (gate ratios applied to the baseline)")
+        fig.tight_layout()
+        path = out_dir / "step_time.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    if state.get("eager_ops_before") is not None and state.get("eager_ops_now") is not None:
+        fig, axis = plt.subplots(figsize=(4, 3))
+        axis.bar(["before", "after"], [state["eager_ops_before"], state["eager_ops_now"]], color=["#888", "#2a7"])
+        axis.set_ylabel("eager ops per step")
+        fig.tight_layout()
+        path = out_dir / "eager_ops.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _html(markdown: str, charts: list[Path]) -> str:
+    body = []
+    for line in markdown.splitlines():
+        if line.startswith("!["):
+            continue
+        body.append(html.escape(line))
+    images = "".join(f'<p><img alt="{p.stem}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}"></p>' for p in charts)
+    return ("<!doctype html><meta charset='utf-8'><title>TrainBridge report</title>"
+            "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}pre{white-space:pre-wrap}</style>"
+            f"<pre>{chr(10).join(body)}</pre>{images}")
