@@ -218,5 +218,24 @@ def _error(message: str) -> None:
     console.print(message, style="red", soft_wrap=True, markup=False, highlight=False)
 
 
+def _register() -> None:
+    """The loop's commands and the sub-apps live in their own modules; mount them here."""
+    from trainbridge.graph import cli_loop
+    from trainbridge.knowledge.cli import kb_app
+    from trainbridge.tools.porting_cli import port_command
+
+    app.command("run")(cli_loop.run)
+    app.command("resume")(cli_loop.resume)
+    app.command("status")(cli_loop.status)
+    app.command("review")(cli_loop.review_cmd)
+    app.command("report")(cli_loop.report_cmd)
+    app.command("demo")(cli_loop.demo)
+    app.command("port")(port_command)
+    app.add_typer(kb_app, name="kb", help="The rewrite knowledge base: list, show, search, add, import, export, stats.")
+
+
+_register()
+
+
 def main() -> None:
     app()

@@ -1,0 +1,245 @@
+"""CLI commands of the loop: run, resume, status, review, report, demo. Registered on the app in cli.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.syntax import Syntax
+
+console = Console(stderr=True)
+
+
+def _say(message: str) -> None:
+    console.print(f"[dim]{datetime.now():%H:%M:%S}[/] {message}", soft_wrap=True, highlight=False)
+
+
+def _error(message: str) -> None:
+    console.print(message, style="red", soft_wrap=True, markup=False, highlight=False)
+
+
+def parse_duration(text: str) -> float:
+    """'8h', '90m', '45s', '1h30m' or plain seconds."""
+    import re
+
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", text)
+    if not parts or "".join(a + b for a, b in parts) != text:
+        raise typer.BadParameter(f"{text!r} is not a duration like 8h, 90m, 1h30m or 3600")
+    return sum(float(value) * {"h": 3600, "m": 60, "s": 1}[unit] for value, unit in parts)
+
+
+def _report_outcome(outcome) -> None:
+    from trainbridge.graph.app import summary_line
+
+    if outcome.waiting_for_review is not None:
+        payload = outcome.waiting_for_review
+        console.print(f"[yellow]paused for review[/] of candidate {payload.get('candidate')} ({payload.get('intent', {}).get('category')}); "
+                      f"answer with: trainbridge review {outcome.run_id}", soft_wrap=True)
+        return
+    state = outcome.state
+    if outcome.finished:
+        console.print(f"[green]run {outcome.run_id} finished[/]: {state.get('stop_reason')}; {summary_line(state)}", soft_wrap=True)
+        console.print(f"branch: {state.get('run_branch')}", soft_wrap=True)
+        for path in state.get("report_paths") or []:
+            if path.endswith("report.md"):
+                console.print(f"report: {path}", soft_wrap=True)
+                print(Path(path).read_text(encoding="utf-8"))
+    else:
+        console.print(f"run {outcome.run_id} stopped at {state.get('node')}; continue with: trainbridge resume {outcome.run_id}")
+
+
+def run(
+    repo: Path = typer.Argument(..., help="The git checkout of the training repository (never modified; work happens in worktrees)."),
+    target: str = typer.Option("cpu", "--target", "-t", help="Backend to optimise for: cpu, cuda or npu (npu without an NPU: numerics verified by emulation, speed unmeasured)."),
+    budget: str = typer.Option("8h", help="Wall-clock budget, e.g. 8h, 90m, 1h30m."),
+    max_candidates: int = typer.Option(50, help="Stop after this many candidates were judged."),
+    review: bool = typer.Option(False, "--review", help="Pause at every patch for a person to approve, reject (with a reason) or edit it (`trainbridge review`)."),
+    reference: Optional[Path] = typer.Option(None, "--reference", help="Evidence pack from `trainbridge collect-evidence` instead of compiling here."),
+    no_reference: bool = typer.Option(False, "--no-reference", help="Skip the torch.compile reference (faster analysis, coarser ranking)."),
+    kb_url: Optional[str] = typer.Option(None, "--kb-url", help="Shared knowledge base on a Chroma server, e.g. http://kb-host:8000."),
+    kb_dir: Optional[Path] = typer.Option(None, "--kb-dir", help="Embedded knowledge base directory (default: per user)."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="Name of the run (default: <repo>-<timestamp>)."),
+    min_gain: float = typer.Option(0.01, help="Smallest step-time gain to accept (0.01 = 1%)."),
+    rounds: int = typer.Option(10, help="Interleaved A/B rounds per candidate in the gate."),
+    category: Optional[list[str]] = typer.Option(None, "--category", help="Only intents of this category (repeatable)."),
+) -> None:
+    """Run the whole loop on a repository: analyse, rewrite, gate, keep what is faster; leave a branch and a report.
+
+    Checkpointed after every step: if the process dies, `trainbridge resume <run-id>` continues without duplicate commits or lost verdicts.
+    """
+    from trainbridge.graph.app import RunError, start_run
+    from trainbridge.graph.state import RunConfig
+
+    repo = repo.resolve()
+    name = run_id or f"{repo.name}-{datetime.now():%Y%m%d-%H%M%S}".replace(".", "-")
+    try:
+        config = RunConfig(repo=str(repo), run_id=name, target=target, budget_s=parse_duration(budget), max_candidates=max_candidates,
+                           review=review, reference_pack=str(reference.resolve()) if reference else None,
+                           compile_reference=not no_reference, kb_url=kb_url, kb_dir=str(kb_dir) if kb_dir else None,
+                           min_gain=min_gain, gate_rounds=rounds, categories=category or None)
+    except ValueError as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
+    _say(f"run {name} on {repo} (target {target}); resume with: trainbridge resume {name}")
+    try:
+        outcome = start_run(config, say=_say)
+    except RunError as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
+    _report_outcome(outcome)
+
+
+def resume(run_id: str = typer.Argument(..., help="The run to continue.")) -> None:
+    """Continue a run that was stopped or killed, from its last checkpoint."""
+    from trainbridge.graph.app import RunError, resume_run
+
+    try:
+        outcome = resume_run(run_id, say=_say)
+    except RunError as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
+    _report_outcome(outcome)
+
+
+def status(run_id: Optional[str] = typer.Argument(None, help="A run (default: list all runs).")) -> None:
+    """Where a run stands: current node, intents done/left, candidates, accepted speedup so far."""
+    from trainbridge.graph.app import RunError, run_status, summary_line
+    from trainbridge.graph.state import runs_root
+
+    if run_id is None:
+        runs = sorted(p.name for p in runs_root().glob("*") if (p / "run.json").is_file())
+        for name in runs:
+            try:
+                info = run_status(name)
+                state = "waiting for review" if info["waiting_for_review"] else ("finished" if info["finished"] else "stopped/running")
+                print(f"{name}: {state}; {summary_line(info['state'])}")
+            except Exception as exc:  # one broken run must not hide the others
+                print(f"{name}: unreadable ({exc})")
+        if not runs:
+            print(f"no runs under {runs_root()}")
+        return
+    try:
+        info = run_status(run_id)
+    except RunError as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
+    state = info["state"]
+    baseline = state.get("baseline_step_s")
+    accepted = state.get("accepted") or []
+    speedup = 1.0
+    for record in accepted:
+        speedup /= record.get("ratio") or 1.0
+    print(f"run {run_id}: {'waiting for review' if info['waiting_for_review'] else ('finished' if info['finished'] else 'next: ' + ', '.join(info['next']))}")
+    print(summary_line(state))
+    if baseline:
+        print(f"baseline step {baseline * 1000:.1f} ms; accepted commits' gate ratios multiply to {speedup:.3f}x (measured per commit)")
+
+
+def review_cmd(
+    run_id: str = typer.Argument(..., help="A run paused for review."),
+    action: Optional[str] = typer.Option(None, "--action", help="approve, reject or edit (default: ask)."),
+    reason: Optional[str] = typer.Option(None, "--reason", help="Why it is rejected (reaches the coder and the knowledge base)."),
+    patch_file: Optional[Path] = typer.Option(None, "--patch", help="For edit: the replacement patch (default: open $EDITOR on the current one)."),
+) -> None:
+    """Show the patch a paused run waits on, and approve, reject (with a reason) or edit it; then the run continues."""
+    from trainbridge.graph.app import RunError, answer_review, run_status
+
+    try:
+        info = run_status(run_id)
+    except RunError as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
+    payload = info["waiting_for_review"]
+    if payload is None:
+        _error(f"run {run_id} is not waiting for a review")
+        raise typer.Exit(2)
+    intent = payload.get("intent") or {}
+    where = ", ".join(f"{s['file']}:{s['line_start']}" for s in intent.get("spans") or [])
+    console.print(f"candidate {payload['candidate']} — recipe {payload.get('recipe_id')} — intent {intent.get('category')} at {where}",
+                  soft_wrap=True)
+    console.print(f"evidence: {json.dumps(intent.get('evidence'), default=str)}", soft_wrap=True, highlight=False)
+    Console().print(Syntax(payload.get("diff") or "", "diff"))
+    action = action or typer.prompt("approve, reject or edit", type=str)
+    decision: dict = {"schema": 1, "action": action}
+    if action == "reject":
+        decision["reason"] = reason or typer.prompt("reason")
+    elif action == "edit":
+        decision["patch"] = patch_file.read_text(encoding="utf-8") if patch_file else _edit_in_editor(payload.get("diff") or "")
+    elif action != "approve":
+        _error("action must be approve, reject or edit")
+        raise typer.Exit(2)
+    try:
+        outcome = answer_review(run_id, decision, say=_say)
+    except (RunError, ValueError) as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
+    _report_outcome(outcome)
+
+
+def _edit_in_editor(diff: str) -> str:
+    editor = os.environ.get("EDITOR") or os.environ.get("VISUAL") or "vi"
+    with tempfile.NamedTemporaryFile("w", suffix=".patch", delete=False) as handle:
+        handle.write(diff)
+    try:
+        subprocess.run([*editor.split(), handle.name], check=True)
+        return Path(handle.name).read_text(encoding="utf-8")
+    finally:
+        Path(handle.name).unlink(missing_ok=True)
+
+
+def report_cmd(run_id: str = typer.Argument(..., help="The run.")) -> None:
+    """Print where a finished run's report is, and its markdown."""
+    from trainbridge.graph.app import RunError, run_status
+
+    try:
+        info = run_status(run_id)
+    except RunError as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
+    paths = info["state"].get("report_paths") or []
+    if not paths:
+        _error(f"run {run_id} has no report yet (it is written when the run ends)")
+        raise typer.Exit(1)
+    for path in paths:
+        console.print(path)
+    print(Path(paths[0]).read_text(encoding="utf-8"))
+
+
+def demo(
+    example: str = typer.Argument("llama_pretrain", help="Bundled example to optimise."),
+    target: str = typer.Option("cpu", "--target", "-t", help="cpu (measured) or npu (emulated here: numerics only)."),
+    rounds: int = typer.Option(8, help="Interleaved A/B rounds per candidate."),
+    max_candidates: int = typer.Option(12, help="Stop after this many candidates."),
+) -> None:
+    """Copy a bundled example into a temporary git repository and run the whole loop on it; print where the branch and report are."""
+    from trainbridge.graph.app import start_run
+    from trainbridge.graph.cli import examples_dir
+    from trainbridge.graph.state import RunConfig
+
+    source = examples_dir() / example
+    if not (source / "trainbridge.toml").is_file():
+        _error(f"no bundled example {example!r}")
+        raise typer.Exit(2)
+    repo = Path(tempfile.mkdtemp(prefix=f"trainbridge-demo-{example}-")) / example
+    shutil.copytree(source, repo, ignore=shutil.ignore_patterns("__pycache__"))
+    for argv in (["git", "init", "-q"], ["git", "add", "-A"],
+                 ["git", "-c", "user.name=TrainBridge demo", "-c", "user.email=demo@localhost", "commit", "-qm", f"{example} as shipped"]):
+        subprocess.run(argv, cwd=repo, check=True)
+    run_id = f"demo-{example}-{datetime.now():%Y%m%d-%H%M%S}".replace("_", "-")
+    started = time.monotonic()
+    _say(f"demo repository: {repo}")
+    outcome = start_run(RunConfig(repo=str(repo), run_id=run_id, target=target, gate_rounds=rounds, max_candidates=max_candidates,
+                                  budget_s=14 * 60), say=_say)
+    _report_outcome(outcome)
+    console.print(f"demo finished in {time.monotonic() - started:.0f} s; repository {repo}, branch {outcome.state.get('run_branch')}", soft_wrap=True)
