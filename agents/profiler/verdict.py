@@ -1,0 +1,75 @@
+"""The gate's verdict: accepted, or the typed reason why not, with every figure behind it."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainbridge.agents.profiler.integrity import Finding
+from trainbridge.agents.profiler.numerics import NumericsResult
+from trainbridge.agents.profiler.stats import SpeedDecision
+from trainbridge.sandbox.results import Failure, FailureKind
+
+
+class VerdictReason(StrEnum):
+    accepted = "accepted"  # numerics match and the step is significantly faster by at least min_gain
+    slower = "slower"  # numerics match, the step is significantly slower
+    not_significant = "not_significant"  # numerics match, no significant gain (or below min_gain)
+    numerics_mismatch = "numerics_mismatch"  # gradients or losses differ beyond tolerance, or a non-finite loss
+    crashed = "crashed"  # the candidate raised or died
+    timed_out = "timed_out"
+    out_of_memory = "out_of_memory"
+    import_error = "import_error"
+    speed_unmeasured_numerics_ok = "speed_unmeasured_numerics_ok"  # NPU emulation: numerics verified, speed needs hardware
+    skipped_work = "skipped_work"  # gate-gaming: skipped or cached work, parameters not updated, work done only when not timed
+    tampered_inputs = "tampered_inputs"  # gate-gaming: changed batch contents, seeds or the workload configuration
+
+
+FAILURE_REASONS: dict[FailureKind, VerdictReason] = {
+    FailureKind.import_error: VerdictReason.import_error,
+    FailureKind.bad_workload: VerdictReason.crashed,
+    FailureKind.exception: VerdictReason.crashed,
+    FailureKind.crashed: VerdictReason.crashed,
+    FailureKind.timeout: VerdictReason.timed_out,
+    FailureKind.oom: VerdictReason.out_of_memory,
+    FailureKind.nonfinite_loss: VerdictReason.numerics_mismatch,
+}
+
+
+class Verdict(BaseModel):
+    """`accepted` is True only for a measured gain with matching numerics. A verdict with reason
+    `speed_unmeasured_numerics_ok` is not accepted: its commit waits for a measurement on hardware."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    accepted: bool
+    reason: VerdictReason
+    message: str = Field(description="one paragraph with the figures behind the reason")
+    backend: str
+    phase: Literal["config", "numerics", "timing", "done"] = Field(description="how far the gate got")
+    baseline_rounds: list[list[float]] = Field(default_factory=list, description="measured step times (s) per round, baseline")
+    candidate_rounds: list[list[float]] = Field(default_factory=list, description="measured step times (s) per round, candidate")
+    round_order: list[str] = Field(default_factory=list, description="per round: 'AB' (baseline first) or 'BA'")
+    ratio: float | None = Field(default=None, description="candidate/baseline step time; < 1 is faster")
+    ratio_ci: tuple[float, float] | None = None
+    speed: SpeedDecision | None = None
+    numerics: NumericsResult | None = None
+    findings: list[Finding] = Field(default_factory=list, description="gate-gaming signs")
+    failure: Failure | None = Field(default=None, description="the candidate's failure, when it failed")
+    numerics_seed: int | None = None
+    timing_seed: int | None = None
+    baseline_versions: dict[str, str] = Field(default_factory=dict)
+    candidate_versions: dict[str, str] = Field(default_factory=dict)
+    wall_s: float = 0.0
+
+    @model_validator(mode="after")
+    def _accepted_matches_reason(self) -> "Verdict":
+        if self.accepted != (self.reason == VerdictReason.accepted):
+            raise ValueError(f"accepted={self.accepted} contradicts reason {self.reason}")
+        return self
+
+    @property
+    def numerics_ok(self) -> bool:
+        return self.numerics is not None and self.numerics.passed and not self.findings

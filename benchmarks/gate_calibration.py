@@ -1,0 +1,179 @@
+"""How often the speed gate is fooled, and how often it catches a real slowdown.
+
+    .venv/bin/python benchmarks/gate_calibration.py                       # 8 gate runs x 10 rounds
+    .venv/bin/python benchmarks/gate_calibration.py --gates 4 --rounds 6  # quicker, coarser
+
+Conditions, measured on one workload (default benchmarks/workloads/mlp) and its variants with a
+planted slowdown (every step spins for a fixed fraction of its own real work time, so the variant is
+(1 + f)x slower whatever the machine's load):
+
+- A/A: identical code on both sides. The gate must not accept (target: < 5% of gate runs).
+- +2%, +5%, +10% slowdown as the candidate: the gate should call it slower (target at 5%: >= 80%).
+- -5% (the +5% variant as the baseline, the original as the candidate, a ratio of 1/1.05): the
+  gate should accept a real gain of that size.
+
+Design: every round runs one fresh sandbox child per program (baseline, baseline again,
++2%, +5%, +10%), in an order rotated from round to round so that no program always runs first;
+all children of a round use the same timing seed, like the gate's pairs. Consecutive blocks of
+``--rounds`` rounds form independent gate runs; each is decided by `stats.decide_speed` exactly as
+`run_gate` decides after its timing phase. Partners in a round ran at most four children apart
+(the gate runs them back to back), so these figures are if anything pessimistic about pairing.
+Rates over sliding windows of rounds are reported too (more decisions, but overlapping, so not
+independent). Prints a markdown table, writes JSON (raw samples included) to
+benchmarks/results/gate_calibration.json after every round, so a killed run keeps its data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from trainbridge.agents.profiler.stats import SpeedOutcome, decide_speed
+from trainbridge.sandbox.runner import run_workload
+from trainbridge.sandbox.workload import Workload, load_workload
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+DEFAULT_WORKLOAD = HERE / "workloads" / "mlp"
+
+
+def planted_variant(source: Path, dest: Path, slowdown: float) -> Workload:
+    """A copy of `source` whose step.py has SLOWDOWN = `slowdown` (the candidate worktree of a 'rewrite')."""
+    shutil.copytree(source, dest)
+    step = dest / "step.py"
+    text, count = re.subn(r"^SLOWDOWN = .*$", f"SLOWDOWN = {slowdown!r}", step.read_text(encoding="utf-8"), flags=re.M)
+    if count != 1:
+        raise SystemExit(f"{source / 'step.py'} must define one line 'SLOWDOWN = ...' to plant a slowdown")
+    step.write_text(text, encoding="utf-8")
+    return load_workload(dest)
+
+
+def run_round(programs: dict[str, Workload], order: list[str], seed: int, steps: int, backend: str) -> dict[str, list[float]]:
+    samples = {}
+    for name in order:
+        result = run_workload(programs[name].with_overrides(seed=seed, steps=steps), backend=backend, mode="measure")
+        if not result.ok or not result.step_times_s:
+            raise SystemExit(f"{name} failed in a calibration round: {result.failure}")
+        samples[name] = result.step_times_s
+    return samples
+
+
+def conditions(slowdowns: list[float]) -> list[tuple[str, str, str, float]]:
+    """(label, baseline program, candidate program, true ratio)."""
+    out = [("A/A", "base", "base_again", 1.0)]
+    out += [(f"+{100 * f:g}% slower", "base", f"slow_{f:g}", 1.0 + f) for f in slowdowns]
+    if 0.05 in slowdowns:
+        out.append(("-4.8% (5% gain)", "slow_0.05", "base", 1.0 / 1.05))
+    return out
+
+
+def decide_blocks(rounds: list[dict[str, list[float]]], block: int, args, sliding: bool) -> dict[str, list[dict]]:
+    starts = range(0, len(rounds) - block + 1) if sliding else range(0, len(rounds) - block + 1, block)
+    decisions: dict[str, list[dict]] = {}
+    for label, base, cand, truth in conditions(args.slowdowns):
+        for start in starts:
+            window = rounds[start:start + block]
+            d = decide_speed([r[base] for r in window], [r[cand] for r in window], args.min_gain, args.confidence, seed=start)
+            decisions.setdefault(label, []).append({
+                "start": start, "outcome": d.outcome.value, "ratio": d.ratio, "ci": [d.ci_low, d.ci_high], "truth": truth,
+            })
+    return decisions
+
+
+def summarise(decisions: dict[str, list[dict]]) -> list[dict]:
+    rows = []
+    for label, items in decisions.items():
+        n = len(items)
+        count = {o.value: sum(i["outcome"] == o.value for i in items) for o in SpeedOutcome}
+        rows.append({
+            "condition": label,
+            "true_ratio": items[0]["truth"] if items else None,
+            "gate_runs": n,
+            "accepted": count["accepted"] / n if n else None,
+            "slower": count["slower"] / n if n else None,
+            "not_significant": count["not_significant"] / n if n else None,
+            "median_ratio": statistics.median(i["ratio"] for i in items) if n else None,
+            "median_ci_halfwidth": statistics.median((i["ci"][1] - i["ci"][0]) / 2 for i in items) if n else None,
+        })
+    return rows
+
+
+def table(rows: list[dict], title: str) -> str:
+    lines = [f"### {title}", "", "| condition | true ratio | gate runs | accepted | slower | not significant | median ratio | median CI half-width |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r["gate_runs"]:
+            continue
+        lines.append(f"| {r['condition']} | {r['true_ratio']:.3f} | {r['gate_runs']} | {100 * r['accepted']:.0f}% | "
+                     f"{100 * r['slower']:.0f}% | {100 * r['not_significant']:.0f}% | {r['median_ratio']:.3f} | "
+                     f"±{100 * r['median_ci_halfwidth']:.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
+    parser.add_argument("--gates", type=int, default=8, help="independent gate runs per condition")
+    parser.add_argument("--rounds", type=int, default=10, help="paired rounds per gate run")
+    parser.add_argument("--steps-per-round", type=int, default=20)
+    parser.add_argument("--slowdowns", type=float, nargs="+", default=[0.02, 0.05, 0.10])
+    parser.add_argument("--min-gain", type=float, default=0.01)
+    parser.add_argument("--confidence", type=float, default=0.95)
+    parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--out", type=Path, default=RESULTS / "gate_calibration.json")
+    args = parser.parse_args(argv)
+    source = load_workload(args.workload).root
+    total = args.gates * args.rounds
+    rng = random.Random()
+    record = {
+        "benchmark": "gate_calibration",
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+                    "loadavg_start": os.getloadavg()},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "rounds": [],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tb-gate-calibration-") as tmp:
+        programs = {"base": load_workload(source), "base_again": load_workload(source)}
+        for f in args.slowdowns:
+            programs[f"slow_{f:g}"] = planted_variant(source, Path(tmp) / f"slow_{f:g}", f)
+        names = list(programs)
+        started = time.monotonic()
+        for index in range(total):
+            shift = index % len(names)
+            order = names[shift:] + names[:shift]
+            samples = run_round(programs, order, rng.randrange(1, 2**31 - 1), args.steps_per_round, args.backend)
+            record["rounds"].append({"order": order, "samples": samples, "loadavg": os.getloadavg()})
+            elapsed = time.monotonic() - started
+            print(f"round {index + 1}/{total} done in {elapsed:.0f} s; medians (ms): "
+                  + ", ".join(f"{n} {1000 * statistics.median(samples[n]):.2f}" for n in names), file=sys.stderr, flush=True)
+            args.out.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    rounds = [r["samples"] for r in record["rounds"]]
+    independent = summarise(decide_blocks(rounds, args.rounds, args, sliding=False))
+    sliding = summarise(decide_blocks(rounds, args.rounds, args, sliding=True))
+    record["summary_independent"] = independent
+    record["summary_sliding"] = sliding
+    record["machine"]["loadavg_end"] = os.getloadavg()
+    record["wall_s"] = time.monotonic() - started
+    args.out.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    print(table(independent, f"{args.gates} independent gate runs of {args.rounds} rounds x {args.steps_per_round} steps"))
+    print()
+    print(table(sliding, f"sliding windows of {args.rounds} rounds (overlapping, not independent)"))
+    print(f"\nload average start {record['machine']['loadavg_start']}, end {record['machine']['loadavg_end']}; "
+          f"{record['wall_s']:.0f} s; JSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
