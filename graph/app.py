@@ -102,7 +102,11 @@ def run_status(run_id: str, root: Path | None = None) -> dict[str, Any]:
 
 
 def _invoke(config: RunConfig, paths: RunPaths, payload: Any, say: Callable[[str], None]) -> RunOutcome:
-    context = RunContext(config=config, paths=paths, say=say)
+    import os
+
+    from trainbridge.agents.coder.llm_config import LLMConfig
+
+    context = RunContext(config=config, paths=paths, say=say, llm=LLMConfig.from_env(os.environ))
     with _compiled(paths) as graph:
         result = graph.invoke(payload, _thread(config.run_id), context=context)
         snapshot = graph.get_state(_thread(config.run_id))

@@ -18,6 +18,7 @@ class RunContext:
     config: RunConfig
     paths: RunPaths
     say: Callable[[str], None] = field(default=lambda message: None)
+    llm: object | None = None  # an LLMConfig when an endpoint is configured (read by the entry point); None: recipes only
 
     @cached_property
     def kb(self):
