@@ -250,6 +250,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "kb_latency.json")
     args = ap.parse_args()
 
+    load_before = os.getloadavg()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kb_latency_") as tmp:
         for mode in args.modes:
@@ -259,7 +260,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"machine": platform.machine(), "python": platform.python_version(), "cpus": os.cpu_count()},
+        "host": {"machine": platform.machine(), "python": platform.python_version(), "cpus": os.cpu_count(),
+                 "load_avg_1m_before_after": [load_before[0], os.getloadavg()[0]]},
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rows": rows,
         "markdown": table,
