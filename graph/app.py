@@ -3,7 +3,9 @@ checkpointer whose thread id is the run id, so a killed run continues where it s
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sqlite3
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -101,13 +103,34 @@ def run_status(run_id: str, root: Path | None = None) -> dict[str, Any]:
     }
 
 
-def _invoke(config: RunConfig, paths: RunPaths, payload: Any, say: Callable[[str], None]) -> RunOutcome:
-    import os
+@contextmanager
+def _run_lock(paths: RunPaths) -> Iterator[None]:
+    """One process per run: a second `resume` or `review` while the run goes on would redo its nodes in
+    the same worktrees (resetting a candidate the gate is measuring). The kernel drops the lock when
+    its holder dies, so a killed run can be resumed at once."""
+    paths.dir.mkdir(parents=True, exist_ok=True)
+    handle = open(paths.dir / "run.lock", "a+", encoding="utf-8")  # noqa: SIM115 - held across the yield
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            raise RunError(f"run {paths.dir.name!r} is already running (pid {holder}): wait for it to finish or stop "
+                           f"it, then `trainbridge resume {paths.dir.name}`") from None
+        handle.truncate(0)
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        handle.close()
 
+
+def _invoke(config: RunConfig, paths: RunPaths, payload: Any, say: Callable[[str], None]) -> RunOutcome:
     from trainbridge.agents.coder.llm_config import LLMConfig
 
     context = RunContext(config=config, paths=paths, say=say, llm=LLMConfig.from_env(os.environ))
-    with _compiled(paths) as graph:
+    with _run_lock(paths), _compiled(paths) as graph:
         result = graph.invoke(payload, _thread(config.run_id), context=context)
         snapshot = graph.get_state(_thread(config.run_id))
     interrupts = result.get("__interrupt__") if isinstance(result, dict) else None

@@ -142,6 +142,14 @@ def coder(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             ctx.say(f"candidate {made.name}: {', '.join(made.files)}")
             return {"node": "coder", "candidate": made.model_dump(mode="json"), "recipe_queue": queue, "verdicts": refusals}
         refusals.append(_refusal_record(intent, made))
+    if ctx.llm is not None and not any(v.get("intent_id") == intent.id and v.get("recipe_id") is None for v in state.get("verdicts", [])):
+        from trainbridge.agents.coder.llm import llm_candidate
+
+        ctx.say(f"no recipe fits {intent.category}: asking the LLM for a patch confined to the span")
+        made = llm_candidate(workspace, intent, ctx.llm, feedback=state.get("review_feedback"), target=ctx.config.target, attempt=attempt)
+        if isinstance(made, Candidate):
+            return {"node": "coder", "candidate": made.model_dump(mode="json"), "recipe_queue": [], "verdicts": refusals}
+        refusals.append({**_refusal_record(intent, made), "recipe_id": None})
     return {"node": "coder", "candidate": None, "recipe_queue": [], "verdicts": refusals}
 
 
@@ -162,7 +170,8 @@ def route_after_coder(state: RunState, runtime: Runtime[RunContext]) -> Literal[
 def review(state: RunState) -> dict[str, Any]:
     """Only the interrupt: on resume a node restarts from its first line, so nothing else lives here."""
     decision = interrupt(review_payload(state))
-    return {"node": "review", "review_decision": ReviewDecision.model_validate(decision).model_dump(mode="json")}
+    # by alias ("schema", not "schema_"): apply_review validates this dict again with the strict model
+    return {"node": "review", "review_decision": ReviewDecision.model_validate(decision).model_dump(mode="json", by_alias=True)}
 
 
 def route_after_review(state: RunState) -> Literal["apply_review", "profiler"]:
@@ -251,19 +260,25 @@ def decide(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             result = workspace.accept_candidate(candidate.name)
             record["sha"] = result.sha
             update["accepted"] = [record]
+            if candidate.recipe_id is None:
+                _learn(ctx, workspace, candidate, state)
             gain = 1.0 - (verdict.get("ratio") or 1.0)
             update["low_gain_rounds"] = 0 if gain >= 2 * ctx.config.min_gain else (state.get("low_gain_rounds") or 0) + 1
         elif verdict["reason"] == "speed_unmeasured_numerics_ok":
             pushed = workspace.push_to_branch(candidate.name, "pending-npu")
             record["sha"] = pushed.sha
             record["pending_branch"] = pushed.branch
+            # one pending rewrite per region: a second recipe for the same span would not apply on top
+            # of the first on the pending branch (cherry-pick conflict), so the intent is done here
+            update["recipe_queue"] = []
+            update["done_intents"] = [candidate.intent_id]
         else:
             workspace.reject_candidate(candidate.name)
         _record_outcome(ctx, state, candidate, record)
         update["verdicts"] = [record]
         update["candidate"] = None
         ctx.say(f"verdict {candidate.name}: {record['reason']} ({record['message'][:120]})")
-        if verdict["accepted"]:
+        if verdict["accepted"] or "done_intents" in update:
             update["done_intents"] = [candidate.intent_id]
             return update
     if state.get("recipe_queue") and not (verdict or {}).get("accepted"):
@@ -282,7 +297,9 @@ def route_after_decide(state: RunState, runtime: Runtime[RunContext]) -> Literal
         return "report"
     if (state.get("low_gain_rounds") or 0) >= config.low_gain_rounds_to_stop:
         return "report"
-    if last.get("accepted") and state.get("candidate") is None and last.get("intent_id") in state.get("done_intents", []):
+    current = (state.get("current_intent") or {}).get("id")
+    if last.get("accepted") and state.get("candidate") is None and last.get("intent_id") == current \
+            and current in state.get("done_intents", []):
         return "analyst"  # fusions interact: re-profile the new head before choosing again
     if state.get("recipe_queue") and state.get("current_intent") and state["current_intent"]["id"] not in state.get("done_intents", []):
         return "coder"
@@ -324,6 +341,20 @@ def _kb_stats(ctx: RunContext) -> dict[str, Any] | None:
         return ctx.kb.stats().model_dump(mode="json")
     except Exception as exc:  # a report must still be written when the KB server went away overnight
         return {"error": str(exc)}
+
+
+def _learn(ctx: RunContext, workspace, candidate: Candidate, state: RunState) -> None:
+    """An accepted LLM rewrite becomes a `learned` recipe, so the next run needs no LLM for it."""
+    from trainbridge.agents.coder.llm import LearnedRecipeError, learned_recipe
+
+    try:
+        recipe = learned_recipe(candidate, Intent.model_validate(state["current_intent"]), repo_root=workspace.repo.root,
+                                target=ctx.config.target)
+    except LearnedRecipeError as exc:
+        ctx.say(f"accepted LLM patch kept, but not generalised into a recipe: {exc}")
+        return
+    ctx.kb.upsert_recipe(recipe)
+    ctx.say(f"learned recipe {recipe.id}")
 
 
 # --- helpers -------------------------------------------------------------------------------------

@@ -35,6 +35,34 @@ declares the parameters it needs; ``$name`` in a parameter string binds a placeh
   Required: ``scope`` (``function`` or ``module_forward``) and ``signature`` (argument names,
   bound as placeholders); optional ``attributes`` (module attributes, bound as ``$self_<name>``).
 
+- ``statements``: a sequence of statement patterns matched against consecutive statements of one
+  block inside the span (a metavariable binds the same code in every statement it appears in)::
+
+      {kind: statements, params: {pattern: |
+          $s = ($q @ $k.transpose(-2, -1)) * $scale
+          $s = $s.masked_fill($m, float("-inf"))
+          $p = torch.softmax($s, dim=-1)
+          $_[$p @ $v]
+      }}
+
+  Required: ``pattern`` (multi-line text, or a list whose items are one statement each or a list
+  of alternative spellings of that statement). Optional: ``alternatives`` (whole other
+  sequences), ``all_in_span``, ``slack`` (how many matched statements may lie outside the span,
+  default 1). The last slot may be the hole ``$_[E]``: the statement that contains E exactly once;
+  ``$_[T]`` in the replacement renders that statement with E replaced by T. The replacement is
+  statements; ``$matched`` (alone on its line) renders the matched statements as written, so
+  ``$matched`` followed by new lines inserts code after them. The rewrite is refused when a name
+  the removed statements assigned is still read afterwards but no longer assigned unconditionally.
+- ``decorate``: the function (``scope: function``) or the ``forward`` of the class
+  (``scope: module_forward``) overlapping the span gets the replacement as a decorator::
+
+      {kind: decorate, params: {scope: function}}     # replacement: "torch.compile"
+
+Every kind also takes ``define``: module-level helper code (``def``, ``class`` and ``NAME = value``
+statements, no ``$``) inserted once after the file's imports, e.g. an ``autograd.Function``
+around a fused op without a registered backward. It is data like the rest: inserted, never run
+by the engine.
+
 New kinds are added by adding an entry to ``MATCH_KINDS`` (the engine must interpret them).
 
 ``replacement`` is template text with ``$name`` / ``${name}`` placeholders (``$$`` is a literal
@@ -84,6 +112,8 @@ MATCH_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "call": (("func",), ("args", "func")),
     "op_sequence": (("regex",), ()),
     "semantic": (("scope", "signature"), ()),
+    "statements": (("pattern",), ("matched",)),
+    "decorate": (("scope",), ()),
 }
 
 _SLUG = r"^[a-z0-9][a-z0-9_.-]*[a-z0-9]$"
@@ -108,7 +138,7 @@ def placeholders(text: str) -> set[str]:
 class MatchSpec(_Model):
     """What a recipe applies to: a pattern kind and its parameters (data, interpreted elsewhere)."""
 
-    kind: str = Field(description="one of MATCH_KINDS: expression | call | op_sequence | semantic")
+    kind: str = Field(description="one of MATCH_KINDS: expression | call | op_sequence | semantic | statements | decorate")
     params: dict[str, JsonValue] = Field(default_factory=dict)
 
     @model_validator(mode="after")

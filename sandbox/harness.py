@@ -95,7 +95,8 @@ def run_steps(parts: dict[str, Any], backend, warmup: int, steps: int, progress:
 
 def run_mode(mode: str, parts: dict[str, Any], backend, request: dict[str, Any], progress, result: dict[str, Any]) -> None:
     """measure: timed steps; profile: every eager op of the step with its source line (EagerOpTable);
-    capture: the step under torch.compile with Inductor's debug output written to evidence_dir."""
+    capture: the step under torch.compile with Inductor's debug output written to evidence_dir;
+    numerics: the gate's probe; npu_profile: torch_npu.profiler output in profile_dir, parsed (real NPU)."""
     warmup, steps = int(request["warmup_steps"]), int(request["steps"])
     if mode == "measure":
         run_steps(parts, backend, warmup, steps, progress, result)
@@ -114,6 +115,12 @@ def run_mode(mode: str, parts: dict[str, Any], backend, request: dict[str, Any],
         from trainbridge.sandbox.numerics_probe import run_numerics
 
         result.setdefault("extra", {})["numerics"] = run_numerics(parts, backend, request)
+    elif mode == "npu_profile":
+        from trainbridge.tools.npu_profile_capture import profile_npu_step
+
+        capture = profile_npu_step(parts, Path(request["profile_dir"]), Path(request["root"]), steps=steps, warmup=warmup,
+                                   attribution=bool(request.get("attribution", False)), sync=backend.sync)
+        result.setdefault("extra", {})["npu_profile"] = capture.model_dump(mode="json")
     else:
         raise HarnessFailure("bad_workload", f"unknown harness mode {mode!r}")
 
@@ -126,7 +133,15 @@ def versions() -> dict[str, str]:
     found = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
     if "torch_npu" in sys.modules:
         npu = sys.modules["torch_npu"]
-        found["torch_npu"] = getattr(npu, "__version__", "?") + (" (emulated)" if getattr(npu, "__trainbridge_emulated__", False) else "")
+        emulated = bool(getattr(npu, "__trainbridge_emulated__", False))
+        found["torch_npu"] = getattr(npu, "__version__", "?") + (" (emulated)" if emulated else "")
+        found["torch_npu_mode"] = "emulated" if emulated else "real"
+        try:
+            from trainbridge.sandbox.backends import npu_compile_status
+
+            found["torch_npu_compile"] = npu_compile_status(npu).cause
+        except Exception as exc:  # a report, never a reason to fail the run
+            found["torch_npu_compile"] = f"unknown ({type(exc).__name__})"
     return found
 
 
@@ -148,6 +163,14 @@ def _failure(kind: str, message: str, exc: BaseException | None, step: int | Non
         "traceback_tail": tail,
         "step": step,
     }
+
+
+def _prepare_device(backend) -> None:
+    try:
+        backend.prepare()
+    except BaseException as exc:
+        raise HarnessFailure("import_error", f"importing the {backend.name} device plugin failed: {type(exc).__name__}: {exc}",
+                             exc=exc) from exc
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
@@ -177,6 +200,7 @@ def execute(request: dict[str, Any]) -> dict[str, Any]:
 
     result: dict[str, Any] = {"versions": {}, "failure": None, "warmup_times_s": [], "step_times_s": [], "losses": []}
     try:
+        _prepare_device(backend)  # NPU: import torch_npu before anything seeds or builds a model
         seed_everything(int(request["seed"]))
         parts = load_parts(root, request["entry"], backend.device, int(request["seed"]))
         backend.reset_peak_memory()

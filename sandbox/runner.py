@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trainbridge.sandbox.backends import Backend
+from trainbridge.sandbox.backends import Backend, npu_selection
 from trainbridge.sandbox.command_mode import parse_command_output
 from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory, network_isolation, scrubbed_env
+from trainbridge.sandbox.npu_emulation import selection_env
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
 from trainbridge.sandbox.workload import Workload
 
@@ -45,6 +46,8 @@ def run_workload(
     memory_limit_mb = config.memory_limit_mb or default_memory_limit_mb()
     isolation = network_isolation()
     env = scrubbed_env({**target.child_env(), **(extra_env or {})}, threads=config.threads, seed=config.seed)
+    if target.name == "npu":  # the real torch_npu when usable, else the CPU stand-in first on the child's path
+        env = selection_env(npu_selection(), env)
     total = config.warmup_steps + config.steps
     with tempfile.TemporaryDirectory(prefix="trainbridge-run-", dir=work_dir) as tmp:
         tmp_dir = Path(tmp)

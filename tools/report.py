@@ -30,6 +30,10 @@ def write_report(state: dict[str, Any], config, out_dir: Path, *, final_step_s: 
     return [md_path, html_path, *charts]
 
 
+def _ms(seconds: float | None) -> str:
+    return "not measured" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
 def _speedup_line(baseline: float | None, final: float | None, accepted: list[dict[str, Any]]) -> str:
     if not accepted:
         return "No rewrite was accepted: the run branch equals the base commit."
@@ -54,6 +58,7 @@ def _markdown(state, config, final, stop_reason, emulated_npu, kb_stats, charts)
         f"- run branch: `{state.get('run_branch')}` — one commit per accepted rewrite",
         f"- target: `{config.target}`" + (f" — {UNMEASURED}: numerics verified on the CPU emulation; candidates wait on "
                                             f"`{state.get('run_branch')}.pending-npu` for `trainbridge verify` on an NPU host" if emulated_npu else ""),
+        f"- baseline step: {_ms(baseline)} (the unmodified program, measured when the run started)",
         f"- stopped because: {stop_reason}",
         f"- candidates tried: {state.get('candidates_tried') or 0}, accepted: {len(accepted)}",
         "",

@@ -17,9 +17,11 @@ from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProv
 
 from trainbridge.knowledge.schema import Recipe
 from trainbridge.records import SourceSpan
+from trainbridge.tools.codemods import statements as stmts
+from trainbridge.tools.codemods.definitions import DefinitionError, insert_definitions
 from trainbridge.tools.codemods.imports import parse_import_line
-from trainbridge.tools.codemods.pattern import Bindings, PatternError, match, parse_expression_pattern
-from trainbridge.tools.codemods.template import render_expression, render_statements
+from trainbridge.tools.codemods.pattern import Bindings, PatternError, equal, match, parse_expression_pattern
+from trainbridge.tools.codemods.template import TemplateError, render_expression, render_statements
 
 
 class CodemodRefused(Exception):
@@ -53,6 +55,7 @@ def apply_recipe(source: str, recipe: Recipe, span: SourceSpan) -> Edit:
         raise CodemodRefused(f"{span.file} does not parse: {exc.message} (line {exc.raw_line})") from None
     wrapper = MetadataWrapper(module)
     kind = recipe.match.kind
+    notes: list[str] = []
     try:
         if kind == "expression":
             new_module, sites = _apply_expression(wrapper, recipe, span)
@@ -60,12 +63,19 @@ def apply_recipe(source: str, recipe: Recipe, span: SourceSpan) -> Edit:
             new_module, sites = _apply_call(wrapper, recipe, span)
         elif kind == "semantic":
             new_module, sites = _apply_semantic(wrapper, recipe, span)
+        elif kind == "statements":
+            new_module, sites = _apply_statements(wrapper, recipe, span)
+        elif kind == "decorate":
+            new_module, sites = _apply_decorate(wrapper, recipe, span)
         else:
             raise CodemodRefused(f"recipe {recipe.id}: match kind {kind!r} identifies regions but carries no source rewrite")
-    except PatternError as exc:
+        new_module = _add_imports(new_module, recipe.imports)
+        define = recipe.match.params.get("define")
+        if define:
+            new_module, notes = insert_definitions(new_module, str(define))
+    except (PatternError, TemplateError, DefinitionError) as exc:
         raise CodemodRefused(f"recipe {recipe.id}: {exc}") from None
-    new_module = _add_imports(new_module, recipe.imports)
-    return Edit(source=new_module.code, sites=sites)
+    return Edit(source=new_module.code, sites=sites, notes=notes)
 
 
 # --- expression ---------------------------------------------------------------------------------
@@ -160,12 +170,18 @@ def _apply_call(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
     module = wrapper.module
     required = dict(params.get("kwargs", {}) or {})
     dropped = set(params.get("drop_kwargs", []) or [])
+    absent = list(params.get("absent_kwargs", []) or [])
     candidates, misses = [], []
     for call, site in finder.found:
         given = {arg.keyword.value: arg.value for arg in call.args if arg.keyword is not None}
         wrong = [k for k, v in required.items() if k not in given or not _literal_equals(given[k], v)]
         if wrong:
             misses.append(f"{site}: {module.code_for_node(call).strip()[:160]} (needs {', '.join(f'{k}={required[k]!r}' for k in wrong)})")
+            continue
+        present = [k for k in absent if k in given]
+        if present or any(arg.star for arg in call.args if arg.keyword is None and arg.star == "**"):
+            why = f"already passes {', '.join(present)}" if present else "passes **kwargs, which may hold " + ", ".join(absent)
+            misses.append(f"{site}: {module.code_for_node(call).strip()[:160]} ({why})")
             continue
         candidates.append((call, site))
     if not candidates:
@@ -278,6 +294,62 @@ def _docstring(function: cst.FunctionDef) -> list[cst.BaseStatement]:
             and isinstance(first.body[0].value, (cst.SimpleString, cst.ConcatenatedString)):
         return [first]
     return []
+
+
+# --- statements ---------------------------------------------------------------------------------
+
+
+def _apply_statements(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
+    params = recipe.match.params
+    module = wrapper.module
+    positions = wrapper.resolve(PositionProvider)
+    slack = int(params.get("slack", 1))
+    near: list[str] = []
+    for slots in stmts.sequences(params):
+        found, close = stmts.find(module, positions, slots, span, slack)
+        near += close
+        edits, unsafe = [], []
+        for f in found:
+            new = stmts.render(recipe.replacement, f, module)
+            reason = stmts.check_safety(module, wrapper, positions, f, new)
+            if reason:
+                unsafe.append(f"{f.site}: {reason}")
+                continue
+            edits.append((f, new))
+        near += unsafe
+        if not edits:
+            continue
+        if len(edits) > 1 and not params.get("all_in_span", False):
+            raise CodemodRefused(f"recipe {recipe.id} matches {len(edits)} statement sequences in {span} "
+                                 f"({', '.join(str(f.site) for f, _ in edits)}); narrow the span or mark the recipe all_in_span")
+        return stmts.replace_blocks(module, edits), [f.site for f, _ in edits]
+    in_span = [f"{positions[s].start.line}: {module.code_for_node(s).strip().splitlines()[0][:150]}"
+               for block in stmts._blocks(module) for s in block.body
+               if span.line_start <= positions[s].start.line <= span.line_end]
+    raise CodemodRefused(f"no statement sequence in {span} matches recipe {recipe.id}", near + in_span[:6])
+
+
+# --- decorate -----------------------------------------------------------------------------------
+
+
+def _apply_decorate(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
+    params = recipe.match.params
+    module = wrapper.module
+    positions = wrapper.resolve(PositionProvider)
+    scope = str(params["scope"])
+    if scope not in ("function", "module_forward"):
+        raise CodemodRefused(f"recipe {recipe.id}: params.scope must be 'function' or 'module_forward', not {scope!r}")
+    function, _ = _find_scope(module, positions, span, scope)
+    if function is None:
+        what = "class with a forward method" if scope == "module_forward" else "function"
+        raise CodemodRefused(f"no {what} overlaps {span} for recipe {recipe.id}")
+    decorator = render_expression(recipe.replacement, {}, module)
+    if any(equal(d.decorator, decorator) for d in function.decorators):
+        raise CodemodRefused(f"{function.name.value} in {span} is already decorated with {recipe.replacement}")
+    new_function = function.with_changes(decorators=[*function.decorators, cst.Decorator(decorator=decorator)])
+    position = positions[function]
+    site = SourceSpan(file=span.file, line_start=position.start.line, line_end=position.end.line, function=function.name.value)
+    return _replace_nodes(module, {function: new_function}), [site]
 
 
 # --- imports ------------------------------------------------------------------------------------

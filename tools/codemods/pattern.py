@@ -24,7 +24,8 @@ _FORMAT_FIELDS = {
     "colon", "whitespace_after_star", "whitespace_after_arg", "whitespace_after_func",
     "whitespace_before_args", "whitespace_before_equal", "whitespace_after_equal", "whitespace_after_value",
     "whitespace_before", "whitespace_after", "whitespace_before_colon", "whitespace_after_colon",
-    "leading_lines", "trailing_whitespace", "header", "footer", "first_line", "empty_lines",
+    "leading_lines", "trailing_whitespace", "header", "footer", "first_line", "empty_lines", "indent",
+    "lines_after_decorators",
 }
 _OPERATORS = (cst.BaseBinaryOp, cst.BaseUnaryOp, cst.BaseBooleanOp, cst.BaseCompOp, cst.BaseAugOp)
 _NUMBERS = (cst.Integer, cst.Float, cst.Imaginary)
@@ -96,7 +97,7 @@ def _match(pattern, node, bindings: Bindings, metavars: bool = True) -> bool:
     if isinstance(pattern, cst.Call):
         return _match(pattern.func, node.func, bindings, metavars) and _match_args(pattern.args, node.args, bindings, metavars)
     for field in dataclasses.fields(pattern):
-        if field.name in _FORMAT_FIELDS:
+        if field.name in _FORMAT_FIELDS or field.name.startswith("whitespace"):
             continue
         left, right = getattr(pattern, field.name), getattr(node, field.name)
         if not _match_value(left, right, bindings, metavars):
@@ -141,3 +142,56 @@ def _literal(text: str):
     except (ValueError, SyntaxError):
         return text
     return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+# --- statement patterns -------------------------------------------------------------------------
+
+CONTEXT_NAME = "_"  # `$_[E]`: a statement-level hole, "the statement that contains E" (see statements.py)
+
+
+def parse_statements_pattern(text: str) -> list[cst.BaseStatement]:
+    """One or more statements (simple or compound) with metavariables, as libcst statement nodes."""
+    source = to_python(text).strip("\n")
+    try:
+        module = cst.parse_module(_dedent(source) + "\n")
+    except cst.ParserSyntaxError as exc:
+        raise PatternError(f"statement pattern {text!r} does not parse: {exc.message}") from None
+    if not module.body:
+        raise PatternError(f"statement pattern {text!r} is empty")
+    return list(module.body)
+
+
+def _dedent(text: str) -> str:
+    import textwrap
+
+    return textwrap.dedent(text)
+
+
+def context_expression(statement: cst.CSTNode) -> cst.BaseExpression | None:
+    """E when `statement` is the statement-level hole ``$_[E]``, else None."""
+    if not (isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1):
+        return None
+    expr = statement.body[0]
+    if not (isinstance(expr, cst.Expr) and isinstance(expr.value, cst.Subscript)):
+        return None
+    sub = expr.value
+    if metavar_name(sub.value) != CONTEXT_NAME or len(sub.slice) != 1 or not isinstance(sub.slice[0].slice, cst.Index):
+        return None
+    return sub.slice[0].slice.value
+
+
+def find_matches(pattern: cst.BaseExpression, root: cst.CSTNode, bindings: Bindings) -> list[tuple[cst.BaseExpression, Bindings]]:
+    """Every outermost sub-expression of `root` that matches `pattern` (given `bindings`)."""
+    found: list[tuple[cst.BaseExpression, Bindings]] = []
+
+    class Visitor(cst.CSTVisitor):
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            if isinstance(node, cst.BaseExpression):
+                got = match(pattern, node, bindings)
+                if got is not None:
+                    found.append((node, got))
+                    return False
+            return True
+
+    root.visit(Visitor())
+    return found
