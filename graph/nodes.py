@@ -37,6 +37,8 @@ def prepare(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     update: dict[str, Any] = {"node": "prepare", "base_sha": workspace.info.base_sha, "run_branch": workspace.branch}
     if not state.get("started_at"):
         update["started_at"] = time.time()
+    if ctx.config.target == "npu" and not state.get("ported"):
+        update["ported"] = _port_to_npu(ctx, workspace)
     if state.get("baseline_step_s") is None:
         ctx.say("measuring the baseline step")
         result = _measure(_workload(workspace.worktree), ctx)
@@ -44,6 +46,30 @@ def prepare(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             raise RunStopped(f"the unmodified program fails in the sandbox ({result.failure.kind}): {result.failure.message}")
         update["baseline_step_s"] = result.median_step_s()
     return update
+
+
+PORT_CANDIDATE = "port-npu"
+
+
+def _port_to_npu(ctx: RunContext, workspace) -> dict[str, Any]:
+    """First commit of an NPU run: the explicit, reviewable port (device strings, torch.cuda, nccl,
+    `import torch_npu`). Not a speed candidate: it is what makes the program run on the target at all,
+    and the baseline below is measured on it. Idempotent: a re-run finds nothing left to port."""
+    from trainbridge.tools.porting import port_repo
+    from trainbridge.tools.porting_cli import write_port
+
+    cand = workspace.start_candidate(PORT_CANDIDATE)
+    result = port_repo(Path(cand.path))
+    written = write_port(Path(cand.path), result)
+    blocking = [f"{s.file}:{s.line} {s.category}" for s in result.skipped if s.blocking]
+    commit = workspace.commit_candidate(PORT_CANDIDATE, f"trainbridge: port to the NPU ({len(result.changes)} change(s))\n\n"
+                                        f"Not ported (manual work): {', '.join(blocking) or 'nothing'}.")
+    if commit.empty:
+        workspace.reject_candidate(PORT_CANDIDATE)
+        return {"commit": None, "files": [], "not_ported": blocking}
+    accepted = workspace.accept_candidate(PORT_CANDIDATE)
+    ctx.say(f"ported to the NPU: {len(written)} file(s), commit {accepted.sha[:12]}")
+    return {"commit": accepted.sha, "files": written, "not_ported": blocking}
 
 
 def _workload(root: Path) -> Workload:
@@ -57,9 +83,8 @@ def _measure(workload: Workload, ctx: RunContext):
 
 
 def _measure_backend(ctx: RunContext) -> str:
-    """NPU emulation runs on the CPU: measure there (and never claim NPU speed from it)."""
-    if ctx.config.target == "npu" and emulated_npu(ctx):
-        return "cpu"
+    """The target backend; on a host without an NPU the sandbox gives `npu` children the torch_npu
+    emulation (the device maps to the CPU), so their times are never NPU speed: see `emulated_npu`."""
     return ctx.config.target
 
 

@@ -54,6 +54,7 @@ class RunState(TypedDict, total=False):
     base_sha: str
     run_branch: str
     started_at: float
+    ported: dict[str, Any] | None  # the NPU port commit (target npu), made before the baseline
     baseline_step_s: float | None
     reference_step_s: float | None  # torch.compile of the original (the line the report draws)
     eager_ops_before: int | None

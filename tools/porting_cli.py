@@ -79,7 +79,8 @@ def _prepare_tree(repo: Path, out_dir: Path) -> None:
                         "Pass an empty (or new) folder, or a worktree of the repository.")
 
 
-def _write(root: Path, result: RepoPortResult) -> list[str]:
+def write_port(root: Path, result: RepoPortResult) -> list[str]:
+    """Write the ported files of `result` into `root`; returns their repo-relative paths."""
     written = []
     for ported in result.changed_files:
         (root / ported.file).write_text(ported.source, encoding="utf-8")
@@ -103,7 +104,7 @@ def run_port(repo: Path, *, to: str = "npu", out_dir: Path | None = None, dry_ru
     _outside(out_dir, repo)
     _prepare_tree(repo, out_dir)
     result = port_repo(out_dir)
-    outcome = PortOutcome(repo=repo, target=to, dry_run=False, out_dir=out_dir, files_written=_write(out_dir, result),
+    outcome = PortOutcome(repo=repo, target=to, dry_run=False, out_dir=out_dir, files_written=write_port(out_dir, result),
                           result=result)
     default_reports = out_dir.parent / f"{out_dir.name}.port-report"
     return write_reports(outcome, report_dir or default_reports)
@@ -117,7 +118,7 @@ def port_in_workspace(workspace, *, to: str = "npu", report_dir: Path | None = N
     _check_target(to)
     candidate = workspace.start_candidate(PORT_CANDIDATE)
     result = port_repo(candidate.path)
-    written = _write(candidate.path, result)
+    written = write_port(candidate.path, result)
     blocking = sum(1 for s in result.skipped if s.blocking)
     message = (f"Port CUDA to {to} (trainbridge port)\n\n{len(result.changes)} change(s) in {len(written)} file(s); "
                f"{len(result.skipped)} construct(s) not ported, {blocking} of them need manual work (see the report).")
