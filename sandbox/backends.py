@@ -119,8 +119,9 @@ class Backend:
     def memory_stats(self) -> dict[str, int]:
         """Allocated / peak allocated / reserved bytes on the device (CPU: resident set sizes)."""
         if self.name == "cpu":
-            peak = self.peak_memory_bytes()
-            return {"allocated_bytes": _current_rss(), "peak_allocated_bytes": peak, "reserved_bytes": peak}
+            current = _current_rss()
+            peak = max(self.peak_memory_bytes(), current)  # the kernel updates ru_maxrss lazily
+            return {"allocated_bytes": current, "peak_allocated_bytes": peak, "reserved_bytes": peak}
         module = self._module()
         return {"allocated_bytes": int(module.memory_allocated()), "peak_allocated_bytes": int(module.max_memory_allocated()),
                 "reserved_bytes": int(module.memory_reserved())}

@@ -464,3 +464,17 @@ def test_profile_capture_reports_missing_output_and_refuses_the_emulation(tmp_pa
     emulated = types.SimpleNamespace(__trainbridge_emulated__=True)
     with pytest.raises(RuntimeError, match="needs a real NPU"):
         profile_npu_step(_tiny_parts([]), tmp_path / "p2", tmp_path, torch_npu_module=emulated)
+
+
+def test_capture_refuses_up_front_where_the_child_would_be_emulated(tmp_path, fresh_probe_cache):
+    from trainbridge.tools.npu_profile_capture import NpuProfileUnavailable, capture_npu_profile
+
+    with pytest.raises(NpuProfileUnavailable, match="needs a real NPU: torch_npu is not installed"):
+        capture_npu_profile(_probe_workload(tmp_path / "wl"), tmp_path / "prof")
+    assert not (tmp_path / "prof").exists()
+
+
+def test_cpu_memory_stats_are_process_sizes():
+    stats = Backend("cpu").memory_stats()
+    assert set(stats) == {"allocated_bytes", "peak_allocated_bytes", "reserved_bytes"}
+    assert 0 < stats["allocated_bytes"] <= stats["peak_allocated_bytes"]
