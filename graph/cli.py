@@ -230,6 +230,7 @@ def _register() -> None:
     app.command("review")(cli_loop.review_cmd)
     app.command("report")(cli_loop.report_cmd)
     app.command("demo")(cli_loop.demo)
+    app.command("verify")(cli_loop.verify)
     app.command("port")(port_command)
     app.add_typer(kb_app, name="kb", help="The rewrite knowledge base: list, show, search, add, import, export, stats.")
 

@@ -243,3 +243,21 @@ def demo(
                                   budget_s=14 * 60), say=_say)
     _report_outcome(outcome)
     console.print(f"demo finished in {time.monotonic() - started:.0f} s; repository {repo}, branch {outcome.state.get('run_branch')}", soft_wrap=True)
+
+
+def verify(run_id: str = typer.Argument(..., help="A run whose NPU candidates wait on trainbridge/<run-id>.pending-npu.")) -> None:
+    """On an NPU host: replay the pending NPU candidates through the full gate (numerics + timing) and fast-forward the accepted ones onto the run branch."""
+    from trainbridge.graph.app import RunError
+    from trainbridge.graph.verify import VerifyError, VerifyRefused, verify_run
+
+    try:
+        report = verify_run(run_id, say=_say)
+    except VerifyRefused as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
+    except (VerifyError, RunError) as exc:
+        _error(str(exc))
+        raise typer.Exit(1) from None
+    for outcome in report.outcomes:
+        print(json.dumps(outcome.model_dump(mode="json"), default=str))
+    console.print(f"run branch {report.run_head_before[:12]} -> {report.run_head_after[:12]}; decisions in {report.record_path}", soft_wrap=True)
