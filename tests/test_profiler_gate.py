@@ -7,7 +7,6 @@ import importlib.util
 import itertools
 import math
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,6 @@ from trainbridge.agents.profiler.stats import (
 )
 from trainbridge.agents.profiler.verdict import Verdict, VerdictReason
 from trainbridge.sandbox.backends import Backend
-from trainbridge.sandbox.npu_emulation import NpuSelection, selection_env
 from trainbridge.sandbox.numerics_probe import content_hash, run_numerics
 from trainbridge.sandbox.workload import load_workload
 
@@ -306,6 +304,12 @@ def test_gate_rejects_a_changed_config_without_running_anything():
     assert verdict.reason == VerdictReason.tampered_inputs and verdict.phase == "config"
 
 
+def test_gate_refuses_command_mode_workloads():
+    command = load_workload(WORKLOADS / "command_mode")
+    with pytest.raises(GateError, match="entry"):
+        run_gate(command, command)
+
+
 def test_gate_types_a_crashing_candidate():
     verdict = gate("tiny_crashes", rounds=2)
     assert verdict.reason == VerdictReason.crashed and verdict.failure.exception_type == "RuntimeError"
@@ -318,9 +322,7 @@ def test_gate_raises_when_the_baseline_itself_fails():
 
 
 def test_gate_in_npu_emulation_verifies_numerics_and_leaves_speed_unmeasured():
-    selection = NpuSelection(mode="emulated", cause="not_installed", reason="test", python=sys.executable)
-    verdict = gate("tiny_npu_fused", baseline="tiny_npu", backend="npu", emulated_speed=True,
-                   extra_env=selection_env(selection, {}))
+    verdict = gate("tiny_npu_fused", baseline="tiny_npu", backend="npu", emulated_speed=True)  # the runner picks the emulation
     assert verdict.reason == VerdictReason.speed_unmeasured_numerics_ok and not verdict.accepted, verdict.message
     assert verdict.numerics.passed and verdict.baseline_rounds == []
     assert verdict.candidate_versions["torch_npu"].endswith("(emulated)")

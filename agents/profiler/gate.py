@@ -73,6 +73,10 @@ def run_gate(
     if rounds < 1 or numerics_steps < 1 or batch_index_range < numerics_steps:
         raise GateError(f"need rounds >= 1 (got {rounds}), numerics_steps >= 1 (got {numerics_steps}) and "
                         f"batch_index_range >= numerics_steps (got {batch_index_range})")
+    if baseline.config.mode != "entry":
+        raise GateError(f"{baseline.root}: the gate checks numerics through entry = \"module:function\" in trainbridge.toml; "
+                        "command-mode workloads give no access to gradients. Add an entry function (see README, "
+                        "'The workload contract').")
     started = time.monotonic()
     rng = rng or random.SystemRandom()
     numerics_seed, timing_seed = rng.randrange(1, SEED_LIMIT), rng.randrange(1, SEED_LIMIT)
