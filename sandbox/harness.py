@@ -223,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m trainbridge.sandbox.harness REQUEST.json", file=sys.stderr)
         return 2
-    request = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    request_path = Path(argv[0])
+    request = json.loads(request_path.read_text(encoding="utf-8"))
+    request_path.unlink()  # the workload runs in this process: it must not learn what the gate asked for
     result = execute(request)
     write_json_atomic(Path(request["result_path"]), result)
     return 0
