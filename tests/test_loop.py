@@ -148,9 +148,11 @@ LLM_ENV = ("TRAINBRIDGE_LLM_BASE_URL", "TRAINBRIDGE_LLM_MODEL", "TRAINBRIDGE_LLM
 
 
 def child_env(home: Path) -> dict[str, str]:
-    """The loop's environment: its own home, and no LLM (recipes only: tests never reach the network)."""
+    """The loop's environment: its own home and temporary folder (a killed process leaves its sandbox
+    scratch folders behind), and no LLM (recipes only: tests never reach the network)."""
     env = {k: v for k, v in os.environ.items() if k not in LLM_ENV}
-    return {**env, "TRAINBRIDGE_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    (home / "tmp").mkdir(parents=True, exist_ok=True)
+    return {**env, "TRAINBRIDGE_HOME": str(home), "TMPDIR": str(home / "tmp"), "PYTHONUNBUFFERED": "1"}
 
 
 @pytest.fixture(autouse=True)
@@ -462,6 +464,7 @@ def test_end_to_end_accepts_a_measured_gain_and_rejects_wrong_numerics(reference
     assert baseline in markdown and baseline in html
     assert f"| {GOOD_RECIPE} | accepted |" in markdown and f"| {WRONG_RECIPE} | numerics_mismatch |" in markdown
     assert "<img" in html
+    assert "&#x27;" not in markdown and "&amp;" not in html  # verdict messages quote names: escaped once, not twice
 
 
 @pytest.mark.slow

@@ -76,7 +76,7 @@ def _markdown(state, config, final, stop_reason, emulated_npu, kb_stats, charts)
             ratio += f" ({record['ratio_ci'][0]:.3f}–{record['ratio_ci'][1]:.3f})"
         if record.get("reason") == "speed_unmeasured_numerics_ok":
             ratio = UNMEASURED
-        detail = html.escape((record.get("message") or "").replace("\n", " ").replace("|", "/"))[:240]
+        detail = html.escape((record.get("message") or "").replace("\n", " ").replace("|", "/"), quote=False)[:240]
         lines.append(f"| {number} | {record.get('category')} | {record.get('recipe_id') or '-'} | "
                      f"{'accepted' if record.get('accepted') else record.get('reason')} | {ratio} | {detail} |")
     if kb_stats:
