@@ -17,7 +17,8 @@ declares the parameters it needs; ``$name`` in a parameter string binds a placeh
       {kind: call, params: {func: torch.optim.AdamW, kwargs: {foreach: false}}}
 
   Required: ``func``. Optional: ``kwargs`` (required literal values; ``"$name"`` binds the value),
-  ``drop_kwargs`` (keywords the replacement removes). Binds ``$args``: the call's other arguments
+  ``drop_kwargs`` (keywords the replacement removes), ``absent_kwargs`` (keywords that must not be
+  given, e.g. ``fused`` for a recipe that adds ``fused=True``). Binds ``$args``: the call's other arguments
   as written, and ``$func``: the callee as written.
 - ``op_sequence``: a regular expression over the eager ATen op names of a region, '-'-joined
   (the msprof-analyze advisor's form)::

@@ -121,3 +121,110 @@ def test_semantic_recipe_rewrites_a_module_forward_and_refuses_other_math():
             "    def forward(self, x):\n        return x.abs().mean() * (1 + self.weight)\n"
     with pytest.raises(CodemodRefused, match="none of recipe .* known forms"):
         apply_recipe(gemma, rms, SourceSpan(file="g.py", line_start=3, line_end=9))
+
+
+# --- statements, define, decorate (engine extensions) -------------------------------------------
+
+
+ATTENTION = {
+    "kind": "statements",
+    "params": {"pattern": [
+        ["$s = ($q @ $k.transpose(-2, -1)) * $scale", "$s = torch.matmul($q, $k.transpose(-1, -2)) * $scale"],
+        "$s = $s.masked_fill($m, float('-inf'))",
+        ["$p = torch.softmax($s, dim=-1)", "$p = $s.softmax(dim=-1)"],
+        ["$_[$p @ $v]", "$_[torch.matmul($p, $v)]"],
+    ]},
+}
+SDPA = "$_[F.scaled_dot_product_attention($q, $k, $v, attn_mask=~$m, scale=$scale)]"
+
+ATTENTION_SOURCE = '''import torch
+
+
+def attend(q, k, v, mask):
+    scale = q.size(-1) ** -0.5
+    # scores
+    w = torch.matmul( q, k.transpose(-1,-2) )*scale
+    w = w.masked_fill(mask, float("-inf"))   # hide
+    w = w.softmax(dim = -1)
+    out = torch.matmul(w, v).transpose(1, 2)
+    return out
+'''
+
+
+def test_statements_recipe_matches_a_sequence_across_spellings_and_rewrites_the_using_statement():
+    r = recipe(category="attention", match=ATTENTION, replacement=SDPA)
+    edit = apply_recipe(ATTENTION_SOURCE, r, SourceSpan(file="a.py", line_start=7, line_end=9))
+    assert "    # scores\n    out = F.scaled_dot_product_attention(q, k, v, attn_mask=~mask, scale=scale).transpose(1, 2)\n" in edit.source
+    assert "masked_fill" not in edit.source and "scale = q.size(-1) ** -0.5" in edit.source
+    assert edit.sites == [SourceSpan(file="a.py", line_start=7, line_end=10)]  # the using statement: slack 1
+    strict = recipe(category="attention", match={**ATTENTION, "params": {**ATTENTION["params"], "slack": 0}}, replacement=SDPA)
+    with pytest.raises(CodemodRefused, match="lie outside"):
+        apply_recipe(ATTENTION_SOURCE, strict, SourceSpan(file="a.py", line_start=7, line_end=9))
+
+
+def test_statements_recipe_refuses_when_a_removed_name_is_still_read():
+    source = ATTENTION_SOURCE.replace("    return out\n", "    return out, w\n")
+    r = recipe(category="attention", match=ATTENTION, replacement=SDPA)
+    with pytest.raises(CodemodRefused, match=r"w \(line 11\) is read after"):
+        apply_recipe(source, r, SourceSpan(file="a.py", line_start=7, line_end=10))
+
+
+def test_statements_recipe_keeps_returns_unconditional_and_renders_matched_statements():
+    guard = recipe(category="host_sync", match={"kind": "statements", "params": {"pattern": "$_[$t.item()]"}},
+                   replacement="if every():\n    $_[$t.item()]", imports=[])
+    source = "def step(loss):\n    print(loss.item())\n    return loss.item()\n"
+    edit = apply_recipe(source, guard, SourceSpan(file="s.py", line_start=2, line_end=2))
+    assert "    if every():\n        print(loss.item())\n    return loss.item()\n" in edit.source
+    with pytest.raises(CodemodRefused, match="end in a return"):
+        apply_recipe(source, guard, SourceSpan(file="s.py", line_start=3, line_end=3))
+    after = recipe(category="conv_layout", match={"kind": "statements", "params": {"pattern": "$m = $build.to($d)"}},
+                   replacement="$matched\n$m.extra()", imports=[])
+    source = "def build(d):\n    if d:\n        net = Net(\n            3,\n        ).to(d)\n    return net\n"
+    edit = apply_recipe(source, after, SourceSpan(file="b.py", line_start=3, line_end=5))
+    assert "        net = Net(\n            3,\n        ).to(d)\n        net.extra()\n    return net\n" in edit.source
+
+
+def test_define_inserts_helpers_once_after_the_imports_and_refuses_a_clash():
+    helper = "def _tb_twice(x):\n    return x + x\n"
+    r = recipe(match={"kind": "expression", "params": {"pattern": "$x * 2", "define": helper}},
+               replacement="_tb_twice($x)", imports=[])
+    source = '"""Doc."""\nimport torch\n\nA = 1\n\n\ndef f(a):\n    return a * 2\n\n\ndef g(b):\n    return b * 2\n'
+    once = apply_recipe(source, r, SourceSpan(file="d.py", line_start=8, line_end=8))
+    assert once.source.startswith('"""Doc."""\nimport torch\n\n\ndef _tb_twice(x):\n    return x + x\n\n\nA = 1\n')
+    assert once.notes == ["inserted helper _tb_twice"]
+    at = line_of(once.source, "return b * 2")
+    twice = apply_recipe(once.source, r, SourceSpan(file="d.py", line_start=at, line_end=at))
+    assert twice.source.count("def _tb_twice") == 1 and "return _tb_twice(b)" in twice.source and twice.notes == []
+    clash = source.replace("A = 1", "def _tb_twice(x):\n    return 2 * x")
+    with pytest.raises(CodemodRefused, match="already defines _tb_twice differently"):
+        apply_recipe(clash, r, SourceSpan(file="d.py", line_start=9, line_end=9))
+    bad = recipe(match={"kind": "expression", "params": {"pattern": "$x * 2", "define": "print('side effect')"}},
+                 replacement="$x", imports=[])
+    with pytest.raises(CodemodRefused, match="may only hold def, class"):
+        apply_recipe(source, bad, SourceSpan(file="d.py", line_start=8, line_end=8))
+
+
+def test_decorate_recipe_and_call_absent_kwargs():
+    compile_ = recipe(category="elementwise_chain", match={"kind": "decorate", "params": {"scope": "function"}},
+                      replacement="torch.compile(dynamic=False)", imports=["import torch"])
+    source = "import torch\n\n\n@staticmethod\ndef rope(x):\n    return x\n"
+    edit = apply_recipe(source, compile_, SourceSpan(file="r.py", line_start=6, line_end=6))
+    assert "@staticmethod\n@torch.compile(dynamic=False)\ndef rope(x):" in edit.source
+    with pytest.raises(CodemodRefused, match="already decorated"):
+        apply_recipe(edit.source, compile_, SourceSpan(file="r.py", line_start=7, line_end=7))
+    sgd = recipe(category="optimizer_step", match={"kind": "call", "params": {
+        "func": "torch.optim.SGD", "drop_kwargs": ["foreach"], "absent_kwargs": ["fused"]}},
+        replacement="$func($args, fused=True)", imports=[])
+    src = "import torch\nopt = torch.optim.SGD(ps, lr=0.1, foreach=False)\nother = torch.optim.SGD(ps, lr=0.1, fused=False)\n"
+    assert "opt = torch.optim.SGD(ps, lr=0.1, fused=True)" in apply_recipe(src, sgd, SourceSpan(file="o.py", line_start=2, line_end=2)).source
+    with pytest.raises(CodemodRefused, match="already passes fused"):
+        apply_recipe(src, sgd, SourceSpan(file="o.py", line_start=3, line_end=3))
+
+
+def test_template_parenthesises_bound_code_only_where_needed():
+    r = recipe(match={"kind": "expression", "params": {"pattern": "$a.masked_fill($m, 0)"}},
+               replacement="f(~$m, x=$a, y=$a.t())", imports=[])
+    edit = apply_recipe("z = (p + q).masked_fill(r == 0, 0)\n", r, SourceSpan(file="t.py", line_start=1, line_end=1))
+    assert "z = f(~(r == 0), x=(p + q), y=(p + q).t())" in edit.source
+    plain = recipe(match={"kind": "expression", "params": {"pattern": "g($a)"}}, replacement="h($a, k=$a)", imports=[])
+    assert "h(p + q, k=p + q)" in apply_recipe("g(p + q)\n", plain, SourceSpan(file="t.py", line_start=1, line_end=1)).source

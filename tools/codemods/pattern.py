@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
+import textwrap
 from typing import Sequence
 
 import libcst as cst
@@ -153,18 +154,12 @@ def parse_statements_pattern(text: str) -> list[cst.BaseStatement]:
     """One or more statements (simple or compound) with metavariables, as libcst statement nodes."""
     source = to_python(text).strip("\n")
     try:
-        module = cst.parse_module(_dedent(source) + "\n")
+        module = cst.parse_module(textwrap.dedent(source) + "\n")
     except cst.ParserSyntaxError as exc:
         raise PatternError(f"statement pattern {text!r} does not parse: {exc.message}") from None
     if not module.body:
         raise PatternError(f"statement pattern {text!r} is empty")
     return list(module.body)
-
-
-def _dedent(text: str) -> str:
-    import textwrap
-
-    return textwrap.dedent(text)
 
 
 def context_expression(statement: cst.CSTNode) -> cst.BaseExpression | None:

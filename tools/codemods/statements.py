@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 
 import libcst as cst
-from libcst.metadata import ExpressionContext, ExpressionContextProvider, MetadataWrapper, PositionProvider
+from libcst.metadata import ExpressionContext, ExpressionContextProvider, MetadataWrapper
 
 from trainbridge.records import SourceSpan
 from trainbridge.tools.codemods.pattern import (
