@@ -97,7 +97,21 @@ def run(
     except RunError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
+    except _stopping_errors() as exc:
+        _error(f"run {name} stopped: {exc}\n(fix the cause, then: trainbridge resume {name})")
+        raise typer.Exit(1) from None
     _report_outcome(outcome)
+
+
+def _stopping_errors() -> tuple[type[BaseException], ...]:
+    """Errors that stop a run with a message the user can act on (no traceback)."""
+    from trainbridge.agents.analyst.analyze import AnalysisError
+    from trainbridge.agents.coder.llm_config import LLMConfigError
+    from trainbridge.graph.nodes import RunStopped
+    from trainbridge.sandbox.workload import WorkloadConfigError
+    from trainbridge.tools.git_ops import UnsafeRepoState
+
+    return (AnalysisError, LLMConfigError, RunStopped, UnsafeRepoState, WorkloadConfigError)
 
 
 def resume(run_id: str = typer.Argument(..., help="The run to continue.")) -> None:
@@ -109,6 +123,9 @@ def resume(run_id: str = typer.Argument(..., help="The run to continue.")) -> No
     except RunError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
+    except _stopping_errors() as exc:
+        _error(f"run {run_id} stopped: {exc}")
+        raise typer.Exit(1) from None
     _report_outcome(outcome)
 
 

@@ -132,7 +132,7 @@ def retrieval(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         intent = Intent.model_validate(data)
         if intent.id in done:
             continue
-        ranked = ctx.kb.rank_recipes(intent, ctx.config.target, n=5)
+        ranked = ctx.kb.rank_recipes(intent, ctx.config.target, n=50)
         queue = [r.recipe.id for r in ranked if str(r.recipe.category) == str(intent.category)
                  and (ctx.config.recipe_ids is None or r.recipe.id in ctx.config.recipe_ids)]
         ctx.say(f"intent {intent.category} at {', '.join(str(s) for s in intent.spans)}: {len(queue)} recipe(s)")
