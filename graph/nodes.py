@@ -8,6 +8,7 @@ knowledge-base outcomes have deterministic ids, and measurements are simply take
 from __future__ import annotations
 
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -105,7 +106,11 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     ctx.say("analysing the run branch head")
     pack = Path(ctx.config.reference_pack) if ctx.config.reference_pack else None
     first = not state.get("analyses")
-    analysis = analyze_repo(_workload(workspace.worktree), backend=_measure_backend(ctx), reference_pack=pack if first else None,
+    head = workspace.worktree
+    pending = workspace.root / "branches" / "pending-npu"  # where push_to_branch keeps the pending branch checked out
+    if _pending_head(ctx, workspace) is not None and pending.is_dir():
+        head = pending  # emulated NPU: rewrites stack on the pending branch, so analyse its head
+    analysis = analyze_repo(_workload(head), backend=_measure_backend(ctx), reference_pack=pack if first else None,
                             compile_reference=ctx.config.compile_reference and first)
     done = set(state.get("done_intents", []))
     wanted = set(ctx.config.categories) if ctx.config.categories else None
@@ -162,7 +167,7 @@ def coder(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         recipe = ctx.kb.get_recipe(queue.pop(0))
         if recipe is None:
             continue
-        made = make_candidate(workspace, intent, recipe, attempt)
+        made = make_candidate(workspace, intent, recipe, attempt, overlay=_pending_head(ctx, workspace))
         if isinstance(made, Candidate):
             ctx.say(f"candidate {made.name}: {', '.join(made.files)}")
             return {"node": "coder", "candidate": made.model_dump(mode="json"), "recipe_queue": queue, "verdicts": refusals}
@@ -176,6 +181,19 @@ def coder(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             return {"node": "coder", "candidate": made.model_dump(mode="json"), "recipe_queue": [], "verdicts": refusals}
         refusals.append({**_refusal_record(intent, made), "recipe_id": None})
     return {"node": "coder", "candidate": None, "recipe_queue": [], "verdicts": refusals}
+
+
+def _pending_head(ctx: RunContext, workspace) -> str | None:
+    """On an emulated NPU, numerics-verified rewrites wait on the pending branch instead of the run
+    branch: later candidates start from its content so the rewrites stack (and verify replays them)."""
+    if not (ctx.config.target == "npu" and emulated_npu(ctx)):
+        return None
+    from trainbridge.tools.git_ops import side_branch_name
+
+    branch = side_branch_name(ctx.config.run_id, "pending-npu")
+    found = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}"], cwd=workspace.repo.root,
+                           capture_output=True, text=True)
+    return found.stdout.strip() or None
 
 
 def _refusal_record(intent: Intent, refusal: CoderRefusal) -> dict[str, Any]:
@@ -323,9 +341,9 @@ def route_after_decide(state: RunState, runtime: Runtime[RunContext]) -> Literal
     if (state.get("low_gain_rounds") or 0) >= config.low_gain_rounds_to_stop:
         return "report"
     current = (state.get("current_intent") or {}).get("id")
-    if last.get("accepted") and state.get("candidate") is None and last.get("intent_id") == current \
-            and current in state.get("done_intents", []):
-        return "analyst"  # fusions interact: re-profile the new head before choosing again
+    landed = last.get("accepted") or last.get("reason") == "speed_unmeasured_numerics_ok"
+    if landed and state.get("candidate") is None and last.get("intent_id") == current and current in state.get("done_intents", []):
+        return "analyst"  # fusions interact (and lines move): re-profile the new head before choosing again
     if state.get("recipe_queue") and state.get("current_intent") and state["current_intent"]["id"] not in state.get("done_intents", []):
         return "coder"
     return "retrieval"

@@ -59,10 +59,18 @@ def commit_message(intent: Intent, recipe: Recipe, sites: list[SourceSpan]) -> s
     return "\n".join(lines)
 
 
-def make_candidate(workspace, intent: Intent, recipe: Recipe, attempt: int = 0) -> Candidate | CoderRefusal:
-    """Apply `recipe` at the first of the intent's spans where it applies; commit; or say why not."""
+def make_candidate(workspace, intent: Intent, recipe: Recipe, attempt: int = 0, *, overlay: str | None = None) -> Candidate | CoderRefusal:
+    """Apply `recipe` at the first of the intent's spans where it applies; commit; or say why not.
+
+    `overlay`: a commit whose files are laid over the run head first (the pending-NPU branch head, so
+    numerics-verified NPU rewrites stack: the candidate then carries them too, and its cherry-pick onto
+    that branch adds only the new rewrite)."""
     name = candidate_name(intent, recipe.id, attempt)
     cand = workspace.start_candidate(name)
+    if overlay is not None:
+        import subprocess
+
+        subprocess.run(["git", "checkout", overlay, "--", "."], cwd=cand.path, check=True, capture_output=True)
     reasons, close = [], []
     for span in intent.spans:
         path = Path(cand.path) / span.file
