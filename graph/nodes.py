@@ -107,9 +107,9 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     pack = Path(ctx.config.reference_pack) if ctx.config.reference_pack else None
     first = not state.get("analyses")
     head = workspace.worktree
-    pending = workspace.root / "branches" / "pending-npu"  # where push_to_branch keeps the pending branch checked out
-    if _pending_head(ctx, workspace) is not None and pending.is_dir():
-        head = pending  # emulated NPU: rewrites stack on the pending branch, so analyse its head
+    pending = _pending_head(ctx, workspace)
+    if pending is not None:
+        head = _pending_view(workspace, pending)  # emulated NPU: rewrites stack on the pending branch: analyse its head
     analysis = analyze_repo(_workload(head), backend=_measure_backend(ctx), reference_pack=pack if first else None,
                             compile_reference=ctx.config.compile_reference and first)
     done = set(state.get("done_intents", []))
@@ -194,6 +194,39 @@ def _pending_head(ctx: RunContext, workspace) -> str | None:
     found = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}"], cwd=workspace.repo.root,
                            capture_output=True, text=True)
     return found.stdout.strip() or None
+
+
+def _git(repo: Path, *args: str) -> str:
+    identity = ["-c", "user.name=TrainBridge", "-c", "user.email=trainbridge@localhost", "-c", "commit.gpgsign=false"]
+    return subprocess.run(["git", *identity, *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _stack_on_pending(ctx: RunContext, workspace, candidate: Candidate) -> tuple[str, str]:
+    """Put the candidate's tree (run head + earlier pending rewrites + this one, see `make_candidate`'s
+    overlay) on the pending branch as one commit whose parent is the pending head, so each pending
+    commit holds exactly one rewrite. Idempotent: a resumed decide finds the tree already there."""
+    from trainbridge.tools.git_ops import side_branch_name
+
+    branch = side_branch_name(ctx.config.run_id, "pending-npu")
+    repo = workspace.repo.root
+    head = _pending_head(ctx, workspace)
+    tree = _git(repo, "rev-parse", f"{candidate.sha}^{{tree}}")
+    if head is not None and _git(repo, "rev-parse", f"{head}^{{tree}}") == tree:
+        return branch, head
+    message = _git(repo, "log", "-1", "--format=%B", candidate.sha)
+    new = _git(repo, "commit-tree", tree, "-p", head or candidate.base_sha, "-m", message)
+    _git(repo, "update-ref", "-m", f"trainbridge: pending {candidate.name}", f"refs/heads/{branch}", new, head or "0" * 40)
+    return branch, new
+
+
+def _pending_view(workspace, sha: str) -> Path:
+    """A detached worktree at the pending head, for the analyst to read (never committed to)."""
+    path = workspace.root / "pending-view"
+    if (path / ".git").exists():
+        _git(path, "checkout", "-q", "--detach", "-f", sha)
+    else:
+        _git(workspace.repo.root, "worktree", "add", "-q", "--detach", str(path), sha)
+    return path
 
 
 def _refusal_record(intent: Intent, refusal: CoderRefusal) -> dict[str, Any]:
@@ -308,9 +341,8 @@ def decide(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             gain = 1.0 - (verdict.get("ratio") or 1.0)
             update["low_gain_rounds"] = 0 if gain >= 2 * ctx.config.min_gain else (state.get("low_gain_rounds") or 0) + 1
         elif verdict["reason"] == "speed_unmeasured_numerics_ok":
-            pushed = workspace.push_to_branch(candidate.name, "pending-npu")
-            record["sha"] = pushed.sha
-            record["pending_branch"] = pushed.branch
+            record["pending_branch"], record["sha"] = _stack_on_pending(ctx, workspace, candidate)
+            workspace.reject_candidate(candidate.name)
             # one pending rewrite per region: a second recipe for the same span would not apply on top
             # of the first on the pending branch (cherry-pick conflict), so the intent is done here
             update["recipe_queue"] = []
@@ -375,6 +407,9 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     reason = stop_reason(state, ctx.config)
     paths = write_report(state, ctx.config, ctx.paths.report, final_step_s=final, stop_reason=reason,
                          emulated_npu=ctx.config.target == "npu" and emulated_npu(ctx), kb_stats=_kb_stats(ctx))
+    view = workspace.root / "pending-view"
+    if view.exists():
+        _git(workspace.repo.root, "worktree", "remove", "--force", str(view))
     workspace.cleanup()
     return {"node": "report", "stop_reason": reason, "report_paths": [str(p) for p in paths]}
 
