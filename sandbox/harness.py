@@ -220,8 +220,8 @@ def execute(request: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m trainbridge.sandbox.harness REQUEST.json", file=sys.stderr)
+    if len(argv) not in (1, 2):
+        print("usage: python -m trainbridge.sandbox.harness REQUEST.json [MODE]  (MODE only labels the process)", file=sys.stderr)
         return 2
     request_path = Path(argv[0])
     request = json.loads(request_path.read_text(encoding="utf-8"))

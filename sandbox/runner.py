@@ -67,7 +67,9 @@ def run_workload(
                 **(extra_request or {}),
             }
             (tmp_dir / "request.json").write_text(json.dumps(request), encoding="utf-8")
-            argv = [sys.executable, "-m", "trainbridge.sandbox.harness", str(tmp_dir / "request.json")]
+            # the mode is repeated in argv only as a label (`ps` shows what a child is doing): the request is
+            # deleted by the harness before user code runs
+            argv = [sys.executable, "-m", "trainbridge.sandbox.harness", str(tmp_dir / "request.json"), mode]
         else:
             argv = shlex.split(config.command or "")
             if argv and argv[0] in ("python", "python3"):
