@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from trainbridge.sandbox.npu_emulation import NpuSelection, emulation_path, select_torch_npu, selection_env
 
-REFERENCE = Path("/work/shared/reference/npu")
+REFERENCE = Path(__file__).parent / "fixtures" / "npu_reference"
 TEMPLATE = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
 
 

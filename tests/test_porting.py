@@ -28,7 +28,7 @@ from trainbridge.tools.porting_cli import PortError, port_command, port_to_branc
 MAIN = Path(__file__).resolve().parents[1]
 EXAMPLES = MAIN / "examples"
 GPU_PROGRAM = Path(__file__).resolve().parent / "fixtures" / "gpu_program"
-API_SURFACE = Path("/work/shared/reference/npu/torch_npu_python_api_surface.txt")
+API_SURFACE = Path(__file__).parent / "fixtures" / "npu_reference" / "torch_npu_python_api_surface.txt"
 EXAMPLE_NAMES = ["llama_pretrain", "gpt2_pretrain", "resnet_classify", "clip_pretrain"]
 _CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
 _NPU_DEVICE = re.compile(r"npu(:\d+)?")

@@ -42,7 +42,7 @@ from trainbridge.tools.codemods.statements import hole_spans
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 VARIANTS = Path(__file__).resolve().parent / "fixtures" / "recipe_variants"
-NPU_REFERENCE = Path("/work/shared/reference/npu")
+NPU_REFERENCE = Path(__file__).parent / "fixtures" / "npu_reference"
 RECIPES: dict[str, Recipe] = {r.id: r for r in load_recipe_dir(SEED_DIR)}
 PYTHON = sys.executable
 
