@@ -7,7 +7,6 @@ knowledge-base outcomes have deterministic ids, and measurements are simply take
 
 from __future__ import annotations
 
-import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ def prepare(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         update["ported"] = _port_to_npu(ctx, workspace)
     if state.get("baseline_step_s") is None:
         ctx.say("measuring the baseline step")
-        result = _measure(_workload(workspace.worktree), ctx)
+        result = _measure(load_workload(workspace.worktree), ctx)
         if result.failure is not None:
             raise RunStopped(f"the unmodified program fails in the sandbox ({result.failure.kind}): {result.failure.message}")
         update["baseline_step_s"] = result.median_step_s()
@@ -73,23 +72,15 @@ def _port_to_npu(ctx: RunContext, workspace) -> dict[str, Any]:
     return {"commit": accepted.sha, "files": written, "not_ported": blocking}
 
 
-def _workload(root: Path) -> Workload:
-    return load_workload(root)
-
-
 def _measure(workload: Workload, ctx: RunContext):
     from trainbridge.sandbox.runner import run_workload
 
-    return run_workload(workload, backend=_measure_backend(ctx))
-
-
-def _measure_backend(ctx: RunContext) -> str:
-    """The target backend; on a host without an NPU the sandbox gives `npu` children the torch_npu
-    emulation (the device maps to the CPU), so their times are never NPU speed: see `emulated_npu`."""
-    return ctx.config.target
+    return runload_workload(workload, backend=ctx.config.target)
 
 
 def emulated_npu(ctx: RunContext) -> bool:
+    """No usable NPU here: the sandbox gives `npu` children the torch_npu emulation (the device maps to
+    the CPU), so their numerics are real but their times are never NPU speed."""
     from trainbridge.sandbox.backends import probe
 
     return not probe("npu").available
@@ -110,7 +101,7 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     pending = _pending_head(ctx, workspace)
     if pending is not None:
         head = _pending_view(workspace, pending)  # emulated NPU: rewrites stack on the pending branch: analyse its head
-    analysis = analyze_repo(_workload(head), backend=_measure_backend(ctx), reference_pack=pack if first else None,
+    analysis = analyze_repo(load_workload(head), backend=ctx.config.target, reference_pack=pack if first else None,
                             compile_reference=ctx.config.compile_reference and first)
     done = set(state.get("done_intents", []))
     wanted = set(ctx.config.categories) if ctx.config.categories else None
@@ -299,7 +290,7 @@ def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     tolerance = tolerance_for(recipe.numerics, NumericsTolerance) if recipe is not None else None
     emulated = ctx.config.target == "npu" and emulated_npu(ctx)
     ctx.say(f"gate: {candidate.name} ({'numerics only: no NPU here' if emulated else f'{ctx.config.gate_rounds} interleaved rounds'})")
-    verdict = run_gate(_workload(workspace.worktree), _workload(Path(candidate.worktree)), backend=_measure_backend(ctx),
+    verdict = run_gate(load_workload(workspace.worktree), load_workload(Path(candidate.worktree)), backend=ctx.config.target,
                        rounds=ctx.config.gate_rounds, min_gain=ctx.config.min_gain, tolerance=tolerance, emulated_speed=emulated)
     return {"node": "profiler", "verdict": verdict.model_dump(mode="json"), "candidates_tried": (state.get("candidates_tried") or 0) + 1}
 
@@ -402,7 +393,7 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     final = None
     if state.get("accepted"):
         ctx.say("measuring the final branch head")
-        result = _measure(_workload(workspace.worktree), ctx)
+        result = _measure(load_workload(workspace.worktree), ctx)
         final = result.median_step_s() if result.failure is None else None
     reason = stop_reason(state, ctx.config)
     paths = write_report(state, ctx.config, ctx.paths.report, final_step_s=final, stop_reason=reason,
@@ -446,7 +437,7 @@ def _verdict_record(candidate: Candidate, *, accepted: bool, reason: str, messag
 
 def _record_outcome(ctx: RunContext, state: RunState, candidate: Candidate, record: dict[str, Any]) -> None:
     intent = Intent.model_validate(state["current_intent"])
-    versions = {}
+    versions = (state.get("verdict") or {}).get("candidate_versions") or {}
     outcome = Outcome(
         id=f"outcome-{ctx.config.run_id}-{candidate.name}",
         run_id=ctx.config.run_id, intent_id=intent.id, category=intent.category, evidence=intent.evidence,
@@ -456,7 +447,3 @@ def _record_outcome(ctx: RunContext, state: RunState, candidate: Candidate, reco
         backend=ctx.config.target, versions=versions,
     )
     ctx.kb.record_outcome(outcome)
-
-
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
