@@ -7,7 +7,6 @@ knowledge-base outcomes have deterministic ids, and measurements are simply take
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -16,6 +15,7 @@ from langgraph.runtime import Runtime
 from langgraph.types import interrupt
 
 from trainbridge.agents.coder.candidate import Candidate, CoderRefusal, make_candidate
+from trainbridge.graph import npu_pending
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.review import REVIEW_SCHEMA_VERSION, ReviewDecision, review_payload
 from trainbridge.graph.state import RunState
@@ -38,7 +38,7 @@ def prepare(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     if not state.get("started_at"):
         update["started_at"] = time.time()
     if ctx.config.target == "npu" and not state.get("ported"):
-        update["ported"] = _port_to_npu(ctx, workspace)
+        update["ported"] = npu_pending.port_to_npu(ctx, workspace)
     if state.get("baseline_step_s") is None:
         ctx.say("measuring the baseline step")
         result = _measure(load_workload(workspace.worktree), ctx)
@@ -48,42 +48,10 @@ def prepare(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     return update
 
 
-PORT_CANDIDATE = "port-npu"
-
-
-def _port_to_npu(ctx: RunContext, workspace) -> dict[str, Any]:
-    """First commit of an NPU run: the explicit, reviewable port (device strings, torch.cuda, nccl,
-    `import torch_npu`). Not a speed candidate: it is what makes the program run on the target at all,
-    and the baseline below is measured on it. Idempotent: a re-run finds nothing left to port."""
-    from trainbridge.tools.porting import port_repo
-    from trainbridge.tools.porting_cli import write_port
-
-    cand = workspace.start_candidate(PORT_CANDIDATE)
-    result = port_repo(Path(cand.path))
-    written = write_port(Path(cand.path), result)
-    blocking = [f"{s.file}:{s.line} {s.category}" for s in result.skipped if s.blocking]
-    commit = workspace.commit_candidate(PORT_CANDIDATE, f"trainbridge: port to the NPU ({len(result.changes)} change(s))\n\n"
-                                        f"Not ported (manual work): {', '.join(blocking) or 'nothing'}.")
-    if commit.empty:
-        workspace.reject_candidate(PORT_CANDIDATE)
-        return {"commit": None, "files": [], "not_ported": blocking}
-    accepted = workspace.accept_candidate(PORT_CANDIDATE)
-    ctx.say(f"ported to the NPU: {len(written)} file(s), commit {accepted.sha[:12]}")
-    return {"commit": accepted.sha, "files": written, "not_ported": blocking}
-
-
 def _measure(workload: Workload, ctx: RunContext):
     from trainbridge.sandbox.runner import run_workload
 
     return runload_workload(workload, backend=ctx.config.target)
-
-
-def emulated_npu(ctx: RunContext) -> bool:
-    """No usable NPU here: the sandbox gives `npu` children the torch_npu emulation (the device maps to
-    the CPU), so their numerics are real but their times are never NPU speed."""
-    from trainbridge.sandbox.backends import probe
-
-    return not probe("npu").available
 
 
 # --- analyst -------------------------------------------------------------------------------------
@@ -98,9 +66,9 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     pack = Path(ctx.config.reference_pack) if ctx.config.reference_pack else None
     first = not state.get("analyses")
     head = workspace.worktree
-    pending = _pending_head(ctx, workspace)
+    pending = npu_pending.pending_head(ctx, workspace)
     if pending is not None:
-        head = _pending_view(workspace, pending)  # emulated NPU: rewrites stack on the pending branch: analyse its head
+        head = npu_pending.pending_view(workspace, pending)  # emulated NPU: rewrites stack on the pending branch: analyse its head
     analysis = analyze_repo(load_workload(head), backend=ctx.config.target, reference_pack=pack if first else None,
                             compile_reference=ctx.config.compile_reference and first)
     done = set(state.get("done_intents", []))
@@ -158,7 +126,7 @@ def coder(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         recipe = ctx.kb.get_recipe(queue.pop(0))
         if recipe is None:
             continue
-        made = make_candidate(workspace, intent, recipe, attempt, overlay=_pending_head(ctx, workspace))
+        made = make_candidate(workspace, intent, recipe, attempt, overlay=npu_pending.pending_head(ctx, workspace))
         if isinstance(made, Candidate):
             ctx.say(f"candidate {made.name}: {', '.join(made.files)}")
             return {"node": "coder", "candidate": made.model_dump(mode="json"), "recipe_queue": queue, "verdicts": refusals}
@@ -172,52 +140,6 @@ def coder(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             return {"node": "coder", "candidate": made.model_dump(mode="json"), "recipe_queue": [], "verdicts": refusals}
         refusals.append({**_refusal_record(intent, made), "recipe_id": None})
     return {"node": "coder", "candidate": None, "recipe_queue": [], "verdicts": refusals}
-
-
-def _pending_head(ctx: RunContext, workspace) -> str | None:
-    """On an emulated NPU, numerics-verified rewrites wait on the pending branch instead of the run
-    branch: later candidates start from its content so the rewrites stack (and verify replays them)."""
-    if not (ctx.config.target == "npu" and emulated_npu(ctx)):
-        return None
-    from trainbridge.tools.git_ops import side_branch_name
-
-    branch = side_branch_name(ctx.config.run_id, "pending-npu")
-    found = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}"], cwd=workspace.repo.root,
-                           capture_output=True, text=True)
-    return found.stdout.strip() or None
-
-
-def _git(repo: Path, *args: str) -> str:
-    identity = ["-c", "user.name=TrainBridge", "-c", "user.email=trainbridge@localhost", "-c", "commit.gpgsign=false"]
-    return subprocess.run(["git", *identity, *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
-
-
-def _stack_on_pending(ctx: RunContext, workspace, candidate: Candidate) -> tuple[str, str]:
-    """Put the candidate's tree (run head + earlier pending rewrites + this one, see `make_candidate`'s
-    overlay) on the pending branch as one commit whose parent is the pending head, so each pending
-    commit holds exactly one rewrite. Idempotent: a resumed decide finds the tree already there."""
-    from trainbridge.tools.git_ops import side_branch_name
-
-    branch = side_branch_name(ctx.config.run_id, "pending-npu")
-    repo = workspace.repo.root
-    head = _pending_head(ctx, workspace)
-    tree = _git(repo, "rev-parse", f"{candidate.sha}^{{tree}}")
-    if head is not None and _git(repo, "rev-parse", f"{head}^{{tree}}") == tree:
-        return branch, head
-    message = _git(repo, "log", "-1", "--format=%B", candidate.sha)
-    new = _git(repo, "commit-tree", tree, "-p", head or candidate.base_sha, "-m", message)
-    _git(repo, "update-ref", "-m", f"trainbridge: pending {candidate.name}", f"refs/heads/{branch}", new, head or "0" * 40)
-    return branch, new
-
-
-def _pending_view(workspace, sha: str) -> Path:
-    """A detached worktree at the pending head, for the analyst to read (never committed to)."""
-    path = workspace.root / "pending-view"
-    if (path / ".git").exists():
-        _git(path, "checkout", "-q", "--detach", "-f", sha)
-    else:
-        _git(workspace.repo.root, "worktree", "add", "-q", "--detach", str(path), sha)
-    return path
 
 
 def _refusal_record(intent: Intent, refusal: CoderRefusal) -> dict[str, Any]:
@@ -288,7 +210,7 @@ def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     workspace = ctx.workspace(state["base_sha"])
     recipe = ctx.kb.get_recipe(candidate.recipe_id) if candidate.recipe_id else None
     tolerance = tolerance_for(recipe.numerics, NumericsTolerance) if recipe is not None else None
-    emulated = ctx.config.target == "npu" and emulated_npu(ctx)
+    emulated = ctx.config.target == "npu" and npu_pending.emulated_npu(ctx)
     ctx.say(f"gate: {candidate.name} ({'numerics only: no NPU here' if emulated else f'{ctx.config.gate_rounds} interleaved rounds'})")
     verdict = run_gate(load_workload(workspace.worktree), load_workload(Path(candidate.worktree)), backend=ctx.config.target,
                        rounds=ctx.config.gate_rounds, min_gain=ctx.config.min_gain, tolerance=tolerance, emulated_speed=emulated)
@@ -332,7 +254,7 @@ def decide(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             gain = 1.0 - (verdict.get("ratio") or 1.0)
             update["low_gain_rounds"] = 0 if gain >= 2 * ctx.config.min_gain else (state.get("low_gain_rounds") or 0) + 1
         elif verdict["reason"] == "speed_unmeasured_numerics_ok":
-            record["pending_branch"], record["sha"] = _stack_on_pending(ctx, workspace, candidate)
+            record["pending_branch"], record["sha"] = npu_pending.stack_on_pending(ctx, workspace, candidate)
             workspace.reject_candidate(candidate.name)
             # one pending rewrite per region: a second recipe for the same span would not apply on top
             # of the first on the pending branch (cherry-pick conflict), so the intent is done here
@@ -397,10 +319,10 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         final = result.median_step_s() if result.failure is None else None
     reason = stop_reason(state, ctx.config)
     paths = write_report(state, ctx.config, ctx.paths.report, final_step_s=final, stop_reason=reason,
-                         emulated_npu=ctx.config.target == "npu" and emulated_npu(ctx), kb_stats=_kb_stats(ctx))
+                         emulated_npu=ctx.config.target == "npu" and npu_pending.emulated_npu(ctx), kb_stats=_kb_stats(ctx))
     view = workspace.root / "pending-view"
     if view.exists():
-        _git(workspace.repo.root, "worktree", "remove", "--force", str(view))
+        npu_pending.git(workspace.repo.root, "worktree", "remove", "--force", str(view))
     workspace.cleanup()
     return {"node": "report", "stop_reason": reason, "report_paths": [str(p) for p in paths]}
 
