@@ -51,7 +51,7 @@ def prepare(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
 def _measure(workload: Workload, ctx: RunContext):
     from trainbridge.sandbox.runner import run_workload
 
-    return runload_workload(workload, backend=ctx.config.target)
+    return run_workload(workload, backend=ctx.config.target)
 
 
 # --- analyst -------------------------------------------------------------------------------------
