@@ -16,6 +16,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from trainbridge.graph.terminal import console
+from trainbridge.graph.terminal import error as _error
 from trainbridge.sandbox.backends import BACKENDS
 from trainbridge.sandbox.results import RunResult
 
@@ -30,7 +32,6 @@ app = typer.Typer(
     add_completion=False,
     rich_markup_mode="rich",
 )
-console = Console(stderr=True)
 
 
 def _stdout() -> Console:
@@ -212,10 +213,6 @@ def _print_result(root: Path, result: RunResult) -> None:
     else:
         console.print("[green]ok[/]: speed measured on this machine's " + result.backend)
 
-
-def _error(message: str) -> None:
-    """Errors are printed unwrapped, so they can be grepped and copied whole."""
-    console.print(message, style="red", soft_wrap=True, markup=False, highlight=False)
 
 
 def _register() -> None:

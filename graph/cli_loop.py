@@ -16,15 +16,13 @@ import typer
 from rich.console import Console
 from rich.syntax import Syntax
 
-console = Console(stderr=True)
+from trainbridge.graph.terminal import console
+from trainbridge.graph.terminal import error as _error
 
 
 def _say(message: str) -> None:
     console.print(f"[dim]{datetime.now():%H:%M:%S}[/] {message}", soft_wrap=True, highlight=False)
 
-
-def _error(message: str) -> None:
-    console.print(message, style="red", soft_wrap=True, markup=False, highlight=False)
 
 
 def parse_duration(text: str) -> float:
