@@ -3,6 +3,12 @@ compiles it with a checkpointer (SQLite for runs, anything for tests and the Lan
 
 from __future__ import annotations
 
+import functools
+import inspect
+import time
+from collections.abc import Callable
+from typing import Any
+
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import RetryPolicy
 
@@ -14,17 +20,43 @@ from trainbridge.graph.state import RunState
 _RETRY = RetryPolicy(max_attempts=2, retry_on=(OSError, TimeoutError))
 
 
-def build_graph() -> StateGraph:
-    graph = StateGraph(RunState, context_schema=RunContext)
-    graph.add_node("prepare", nodes.prepare, retry_policy=_RETRY)
-    graph.add_node("analyst", nodes.analyst, retry_policy=_RETRY)
-    graph.add_node("retrieval", nodes.retrieval, retry_policy=_RETRY)
-    graph.add_node("coder", nodes.coder, retry_policy=_RETRY)
-    graph.add_node("review", nodes.review)
-    graph.add_node("apply_review", nodes.apply_review)
-    graph.add_node("profiler", nodes.profiler, retry_policy=_RETRY)
-    graph.add_node("decide", nodes.decide, retry_policy=_RETRY)
-    graph.add_node("report", nodes.report)
+def timed(name: str, node: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """Wrap a node so its update also appends {"node", "wall_s", "parts"} to `phase_times`; a node
+    reports its own sub-phases by returning them under the private key `_parts` (removed here)."""
+    takes_runtime = "runtime" in inspect.signature(node).parameters
+
+    def record(started: float, update: dict[str, Any]) -> dict[str, Any]:
+        parts = update.pop(nodes.PARTS_KEY, None) or {}
+        entry = {"node": name, "wall_s": round(time.monotonic() - started, 3), "parts": parts}
+        return {**update, "phase_times": [entry]}
+
+    if takes_runtime:
+        @functools.wraps(node)
+        def with_runtime(state, runtime):
+            started = time.monotonic()
+            return record(started, node(state, runtime))
+        return with_runtime
+
+    @functools.wraps(node)
+    def without_runtime(state):
+        started = time.monotonic()
+        return record(started, node(state))
+    return without_runtime
+
+
+def build_graph(context_schema: type = RunContext) -> StateGraph:
+    """The loop, uncompiled. `context_schema` is what a run's `context` is declared as: a RunContext
+    in process; the LangGraph server declares its serialisable settings instead (graph/server.py)."""
+    graph = StateGraph(RunState, context_schema=context_schema)
+    graph.add_node("prepare", timed("prepare", nodes.prepare), retry_policy=_RETRY)
+    graph.add_node("analyst", timed("analyst", nodes.analyst), retry_policy=_RETRY)
+    graph.add_node("retrieval", timed("retrieval", nodes.retrieval), retry_policy=_RETRY)
+    graph.add_node("coder", timed("coder", nodes.coder), retry_policy=_RETRY)
+    graph.add_node("review", timed("review", nodes.review))
+    graph.add_node("apply_review", timed("apply_review", nodes.apply_review))
+    graph.add_node("profiler", timed("profiler", nodes.profiler), retry_policy=_RETRY)
+    graph.add_node("decide", timed("decide", nodes.decide), retry_policy=_RETRY)
+    graph.add_node("report", timed("report", nodes.report))
     graph.add_edge(START, "prepare")
     graph.add_edge("prepare", "analyst")
     graph.add_edge("analyst", "retrieval")

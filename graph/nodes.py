@@ -24,6 +24,9 @@ from trainbridge.records import Intent
 from trainbridge.sandbox.workload import Workload, load_workload
 
 
+PARTS_KEY = "_parts"  # a node's sub-phase seconds; builder.timed moves them into `phase_times`
+
+
 class RunStopped(RuntimeError):
     """The run cannot continue (unsafe repository, baseline fails); the message says why."""
 
@@ -41,10 +44,12 @@ def prepare(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         update["ported"] = npu_pending.port_to_npu(ctx, workspace)
     if state.get("baseline_step_s") is None:
         ctx.say("measuring the baseline step")
+        started = time.monotonic()
         result = _measure(load_workload(workspace.worktree), ctx)
         if result.failure is not None:
             raise RunStopped(f"the unmodified program fails in the sandbox ({result.failure.kind}): {result.failure.message}")
         update["baseline_step_s"] = result.median_step_s()
+        update[PARTS_KEY] = {"baseline": round(time.monotonic() - started, 3)}
     return update
 
 
@@ -79,10 +84,14 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         "intents": [i.model_dump(mode="json") for i in intents],
         "analyses": (state.get("analyses") or 0) + 1,
         "eager_ops_now": analysis.eager_ops_per_step,
+        PARTS_KEY: {_ANALYSIS_PARTS.get(phase, phase): seconds for phase, seconds in analysis.phase_seconds.items()},
     }
     if first:
         update["eager_ops_before"] = analysis.eager_ops_per_step
     return update
+
+
+_ANALYSIS_PARTS = {"static_scan": "static", "target_profile": "profile", "reference": "reference"}
 
 
 # --- retrieval -----------------------------------------------------------------------------------
@@ -213,8 +222,9 @@ def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     emulated = ctx.config.target == "npu" and npu_pending.emulated_npu(ctx)
     ctx.say(f"gate: {candidate.name} ({'numerics only: no NPU here' if emulated else f'{ctx.config.gate_rounds} interleaved rounds'})")
     verdict = run_gate(load_workload(workspace.worktree), load_workload(Path(candidate.worktree)), backend=ctx.config.target,
-                       rounds=ctx.config.gate_rounds, min_gain=ctx.config.min_gain, tolerance=tolerance, emulated_speed=emulated)
-    return {"node": "profiler", "verdict": verdict.model_dump(mode="json"), "candidates_tried": (state.get("candidates_tried") or 0) + 1}
+                       rounds=ctx.config.gate_rounds, max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain, tolerance=tolerance, emulated_speed=emulated)
+    return {"node": "profiler", "verdict": verdict.model_dump(mode="json"), "candidates_tried": (state.get("candidates_tried") or 0) + 1,
+            PARTS_KEY: dict(verdict.phase_seconds)}
 
 
 def tolerance_for(numerics, tolerance_class):
@@ -315,8 +325,12 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     final = None
     if state.get("accepted"):
         ctx.say("measuring the final branch head")
+        started = time.monotonic()
         result = _measure(load_workload(workspace.worktree), ctx)
         final = result.median_step_s() if result.failure is None else None
+        parts = {"final_measure": round(time.monotonic() - started, 3)}
+    else:
+        parts = {}
     reason = stop_reason(state, ctx.config)
     paths = write_report(state, ctx.config, ctx.paths.report, final_step_s=final, stop_reason=reason,
                          emulated_npu=ctx.config.target == "npu" and npu_pending.emulated_npu(ctx), kb_stats=_kb_stats(ctx))
@@ -324,7 +338,7 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     if view.exists():
         npu_pending.git(workspace.repo.root, "worktree", "remove", "--force", str(view))
     workspace.cleanup()
-    return {"node": "report", "stop_reason": reason, "report_paths": [str(p) for p in paths]}
+    return {"node": "report", "stop_reason": reason, "report_paths": [str(p) for p in paths], PARTS_KEY: parts}
 
 
 def _kb_stats(ctx: RunContext) -> dict[str, Any] | None:

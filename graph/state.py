@@ -35,10 +35,16 @@ class RunConfig(BaseModel):
     kb_dir: str | None = None
     min_gain: float = Field(default=0.01, ge=0, lt=1, description="smallest accepted step-time gain (0.01 = 1%)")
     gate_rounds: int = Field(default=10, ge=2)
+    gate_max_rounds: int | None = Field(default=None, ge=2, description="rounds of the gate's second look, for promising but "
+                                        "inconclusive candidates (None: twice gate_rounds)")
     low_gain_rounds_to_stop: int = Field(default=2, ge=1)
     categories: list[str] | None = Field(default=None, description="only these intent categories (None: all)")
     recipe_ids: list[str] | None = Field(default=None, description="only these recipes (None: all)")
     extra_recipe_dir: str | None = Field(default=None, description="more recipe files to load (e.g. a team's)")
+
+    @property
+    def gate_rounds_limit(self) -> int:
+        return max(self.gate_rounds, self.gate_max_rounds or 2 * self.gate_rounds)
 
     @field_validator("run_id")
     @classmethod
@@ -74,6 +80,8 @@ class RunState(TypedDict, total=False):
     low_gain_rounds: int
     stop_reason: str | None
     report_paths: list[str]
+    # wall time of every node run, in order: {"node", "wall_s", "parts": {phase: seconds}} (the loop's own cost)
+    phase_times: Annotated[list[dict[str, Any]], operator.add]
 
 
 def runs_root() -> Path:

@@ -18,6 +18,8 @@ from trainbridge.agents.profiler.integrity import FindingKind, check_config, che
 from trainbridge.agents.profiler.numerics import NumericsTolerance, compare_numerics, widen_tolerance
 from trainbridge.agents.profiler.probe_report import ProbeReport
 from trainbridge.agents.profiler.stats import (
+    gate_decision,
+    wants_more_rounds,
     SpeedOutcome,
     bootstrap_ci,
     decide_speed,
@@ -86,6 +88,35 @@ def test_a_a_comparison_is_rarely_accepted_and_a_fixed_one_is_not_significant():
     decision = decide_speed(base, cand)
     assert decision.outcome == SpeedOutcome.not_significant
     assert decision.ci_low < 1.0 < decision.ci_high and "not significant" in decision.message
+
+
+def test_not_significant_message_names_the_check_that_failed():
+    """Ten rounds 2% faster and two far slower: the bootstrap interval of the median lies below 1,
+    but the two largest ranks carry the sign, so the signed-rank test does not confirm the gain."""
+    base = [[0.1] * 3] * 12
+    cand = [[0.098] * 3] * 10 + [[0.15] * 3] * 2
+    decision = decide_speed(base, cand, min_gain=0.01)
+    assert decision.outcome == SpeedOutcome.not_significant
+    assert decision.ci_high < 1.0 and decision.p_faster >= 0.025
+    assert "signed-rank test does not confirm a gain" in decision.message and "includes no change" not in decision.message
+    neutral = decide_speed([[0.1]] * 8, [[0.1 * r] for r in (0.99, 1.01, 0.98, 1.02, 1.0, 0.995, 1.005, 1.0)])
+    assert "the interval includes no change and the signed-rank test finds no direction" in neutral.message
+
+
+def test_second_look_only_for_promising_inconclusive_first_looks():
+    # first 8 rounds: 3% faster but three rounds the other way -> inconclusive, promising; 8 more clean rounds decide
+    first_base, first_cand = [[0.1]] * 8, [[0.097]] * 5 + [[0.101]] * 3
+    more_base, more_cand = [[0.1]] * 8, [[0.097]] * 8
+    one_look = decide_speed(first_base, first_cand, min_gain=0.01)
+    assert one_look.outcome == SpeedOutcome.not_significant and wants_more_rounds(one_look)
+    two_looks = gate_decision(first_base + more_base, first_cand + more_cand, first=8, min_gain=0.01)
+    assert two_looks.outcome == SpeedOutcome.accepted and two_looks.n == 16
+    # a clear first look is final: later rounds are not even read
+    clear = gate_decision([[0.1]] * 16, [[0.09]] * 8 + [[0.2]] * 8, first=8)
+    assert clear.outcome == SpeedOutcome.accepted and clear.n == 8
+    # an A/A-looking first look (estimate above 1 - min_gain) gets no second look
+    flat = gate_decision([[0.1]] * 16, [[0.1 * r] for r in (1.01, 0.995, 1.0, 1.02, 0.99, 1.0, 1.005, 0.998)] + [[0.05]] * 8, first=8)
+    assert flat.n == 8 and flat.outcome == SpeedOutcome.not_significant
 
 
 def test_clear_win_is_accepted_and_clear_loss_is_slower():

@@ -10,7 +10,8 @@ Order of checks, cheapest and most decisive first:
    (`integrity`) reject before the numbers are judged; then gradients and losses are compared
    (`numerics`). With ``emulated_speed`` (NPU emulation on a host without an NPU) the gate stops
    here: ``speed_unmeasured_numerics_ok``.
-3. **Timing.** ``rounds`` rounds, each a fresh child per side running warm-up plus
+3. **Timing.** ``rounds`` rounds (up to ``max_rounds`` when the first look is promising but
+   inconclusive, see `stats.gate_decision`), each a fresh child per side running warm-up plus
    ``steps_per_round`` measured steps, in alternating order (AB, BA, AB, ...: position effects
    cancel within each pair of rounds). Both sides use one fresh timing seed; their losses must
    agree round by round (a candidate that only does the work when it is not timed shows here).
@@ -31,7 +32,7 @@ from trainbridge.agents.profiler.integrity import Finding, check_config, check_p
 from trainbridge.agents.profiler.numerics import NumericsResult, NumericsTolerance, compare_numerics, load_grads
 from trainbridge.agents.profiler.probe_report import ProbeReport
 from trainbridge.agents.profiler.probe_run import run_probe
-from trainbridge.agents.profiler.stats import SpeedOutcome, decide_speed
+from trainbridge.agents.profiler.stats import SpeedOutcome, decide_speed, gate_decision, wants_more_rounds
 from trainbridge.agents.profiler.verdict import FAILURE_REASONS, Verdict, VerdictReason
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
 from trainbridge.sandbox.runner import run_workload
@@ -56,6 +57,7 @@ def run_gate(
     *,
     backend: str = "cpu",
     rounds: int = 10,
+    max_rounds: int | None = None,
     steps_per_round: int | None = None,
     min_gain: float = 0.01,
     tolerance: NumericsTolerance | None = None,
@@ -70,8 +72,9 @@ def run_gate(
 ) -> Verdict:
     """Judge `candidate` against `baseline` (see the module doc). `rng` only for reproducible tests:
     by default seeds and batch indices come from the operating system's entropy."""
-    if rounds < 1 or numerics_steps < 1 or batch_index_range < numerics_steps:
-        raise GateError(f"need rounds >= 1 (got {rounds}), numerics_steps >= 1 (got {numerics_steps}) and "
+    max_rounds = rounds if max_rounds is None else max_rounds
+    if rounds < 1 or max_rounds < rounds or numerics_steps < 1 or batch_index_range < numerics_steps:
+        raise GateError(f"need rounds >= 1 (got {rounds}), max_rounds >= rounds (got {max_rounds}), numerics_steps >= 1 (got {numerics_steps}) and "
                         f"batch_index_range >= numerics_steps (got {batch_index_range})")
     if baseline.config.mode != "entry":
         raise GateError(f"{baseline.root}: the gate checks numerics through entry = \"module:function\" in trainbridge.toml; "
@@ -85,9 +88,16 @@ def run_gate(
     progress = on_progress or (lambda phase, done, total: None)
     common = {"backend": backend, "numerics_seed": numerics_seed, "timing_seed": timing_seed}
 
+    marks: dict[str, float] = {}
+
     def verdict(reason: VerdictReason, message: str, phase: str, **fields) -> Verdict:
+        now = time.monotonic()
+        numerics_end = marks.get("numerics_end", now)
+        seconds = {"numerics": round(numerics_end - started, 3)}
+        if "numerics_end" in marks:
+            seconds["timing"] = round(now - numerics_end, 3)
         return Verdict(accepted=reason == VerdictReason.accepted, reason=reason, message=message, phase=phase,
-                       wall_s=time.monotonic() - started, **common, **fields)
+                       wall_s=now - started, phase_seconds=seconds, **common, **fields)
 
     tampered = check_config(baseline.config, candidate.config)
     if tampered:
@@ -133,6 +143,7 @@ def run_gate(
                        "(`trainbridge verify`) before accepting.", "numerics", numerics=numerics, **versions)
 
     # --- timing -------------------------------------------------------------------------------
+    marks["numerics_end"] = time.monotonic()
     steps = steps_per_round or baseline.config.steps
     timed = {"baseline": baseline.with_overrides(seed=timing_seed, steps=steps)}
     timed["candidate"] = Workload(root=candidate.root, config=timed["baseline"].config)
@@ -140,7 +151,9 @@ def run_gate(
     cand_rounds: list[list[float]] = []
     orders: list[str] = []
     progress("timing", 0, rounds)
-    for index in range(rounds):
+    planned = rounds
+    index = 0
+    while index < planned:
         order = ("baseline", "candidate") if index % 2 == 0 else ("candidate", "baseline")
         runs: dict[str, RunResult] = {}
         for side in order:
@@ -157,14 +170,17 @@ def run_gate(
         orders.append("AB" if order[0] == "baseline" else "BA")
         base_rounds.append(runs["baseline"].step_times_s)
         cand_rounds.append(runs["candidate"].step_times_s)
-        progress("timing", index + 1, rounds)
+        progress("timing", index + 1, planned)
         gamed = check_timed_losses(index, runs["baseline"].losses, runs["candidate"].losses, tolerance.timed_loss_rtol, tolerance.loss_atol)
         if gamed:
             return verdict(VerdictReason.skipped_work, gamed[0].message, "timing", findings=gamed, numerics=numerics,
                            baseline_rounds=base_rounds, candidate_rounds=cand_rounds, round_order=orders, **versions)
+        index += 1
+        if index == rounds and max_rounds > rounds and wants_more_rounds(decide_speed(base_rounds, cand_rounds, min_gain, confidence)):
+            planned = max_rounds  # promising but inconclusive: the second look (stats.gate_decision)
 
     # --- decision -----------------------------------------------------------------------------
-    speed = decide_speed(base_rounds, cand_rounds, min_gain, confidence)
+    speed = gate_decision(base_rounds, cand_rounds, first=rounds, min_gain=min_gain, confidence=confidence)
     reason = _SPEED_REASONS[speed.outcome]
     return verdict(reason, f"{speed.message}; {numerics.message}", "done", speed=speed, ratio=speed.ratio,
                    ratio_ci=(speed.ci_low, speed.ci_high), numerics=numerics, baseline_rounds=base_rounds,

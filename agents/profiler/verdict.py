@@ -63,6 +63,7 @@ class Verdict(BaseModel):
     baseline_versions: dict[str, str] = Field(default_factory=dict)
     candidate_versions: dict[str, str] = Field(default_factory=dict)
     wall_s: float = 0.0
+    phase_seconds: dict[str, float] = Field(default_factory=dict, description="wall time of the gate's phases: numerics, timing")
 
     @model_validator(mode="after")
     def _accepted_matches_reason(self) -> "Verdict":
