@@ -104,7 +104,7 @@ def run_status(run_id: str, root: Path | None = None) -> dict[str, Any]:
 
 
 @contextmanager
-def _run_lock(paths: RunPaths) -> Iterator[None]:
+def run_lock(paths: RunPaths) -> Iterator[None]:
     """One process per run: a second `resume` or `review` while the run goes on would redo its nodes in
     the same worktrees (resetting a candidate the gate is measuring). The kernel drops the lock when
     its holder dies, so a killed run can be resumed at once."""
@@ -129,8 +129,13 @@ def _run_lock(paths: RunPaths) -> Iterator[None]:
 def _invoke(config: RunConfig, paths: RunPaths, payload: Any, say: Callable[[str], None]) -> RunOutcome:
     from trainbridge.agents.coder.llm_config import LLMConfig
 
+    from trainbridge.sandbox.scratch import sweep_stale
+
     context = RunContext(config=config, paths=paths, say=say, llm=LLMConfig.from_env(os.environ))
-    with _run_lock(paths), _compiled(paths) as graph:
+    with run_lock(paths), _compiled(paths) as graph:
+        swept = sweep_stale()
+        if swept:
+            say(f"removed {len(swept)} scratch folder(s) left by killed TrainBridge processes")
         result = graph.invoke(payload, _thread(config.run_id), context=context)
         snapshot = graph.get_state(_thread(config.run_id))
     interrupts = result.get("__interrupt__") if isinstance(result, dict) else None

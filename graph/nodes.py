@@ -17,6 +17,7 @@ from langgraph.types import interrupt
 from trainbridge.agents.coder.candidate import Candidate, CoderRefusal, make_candidate
 from trainbridge.graph import npu_pending
 from trainbridge.graph.context import RunContext
+from trainbridge.graph.landed import added_lines, is_own_rewrite
 from trainbridge.graph.review import REVIEW_SCHEMA_VERSION, ReviewDecision, review_payload
 from trainbridge.graph.state import RunState
 from trainbridge.knowledge.schema import Outcome
@@ -78,7 +79,12 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
                             compile_reference=ctx.config.compile_reference and first)
     done = set(state.get("done_intents", []))
     wanted = set(ctx.config.categories) if ctx.config.categories else None
-    intents = [i for i in analysis.intents if i.id not in done and (wanted is None or str(i.category) in wanted)]
+    landed = {v["category"] for v in state.get("verdicts", []) if v.get("accepted") or v.get("reason") == "speed_unmeasured_numerics_ok"}
+    added = added_lines(head, state["base_sha"]) if landed else {}
+    own = [i for i in analysis.intents if is_own_rewrite(i, added, landed)]
+    if own:
+        ctx.say(f"skipping {len(own)} finding(s) on lines this run already rewrote: {', '.join(str(i.category) for i in own)}")
+    intents = [i for i in analysis.intents if i.id not in done and i not in own and (wanted is None or str(i.category) in wanted)]
     update: dict[str, Any] = {
         "node": "analyst",
         "intents": [i.model_dump(mode="json") for i in intents],
@@ -88,6 +94,7 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     }
     if first:
         update["eager_ops_before"] = analysis.eager_ops_per_step
+        update["reference_step_s"] = analysis.reference_step_s
     return update
 
 
@@ -289,7 +296,7 @@ def decide(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
 def route_after_decide(state: RunState, runtime: Runtime[RunContext]) -> Literal["coder", "retrieval", "analyst", "report"]:
     config = runtime.context.config
     last = (state.get("verdicts") or [{}])[-1]
-    if time.time() - (state.get("started_at") or time.time()) > config.budget_s:
+    if not budget_allows_another(state, config):
         return "report"
     if (state.get("candidates_tried") or 0) >= config.max_candidates:
         return "report"
@@ -304,9 +311,19 @@ def route_after_decide(state: RunState, runtime: Runtime[RunContext]) -> Literal
     return "retrieval"
 
 
+def budget_allows_another(state: RunState, config) -> bool:
+    """Time left for one more candidate as long as the typical one so far (the median gate time, plus
+    its coder and decide steps), so a run stops near its budget rather than one gate past it."""
+    elapsed = time.time() - (state.get("started_at") or time.time())
+    gates = sorted(t["wall_s"] for t in state.get("phase_times") or [] if t["node"] == "profiler")
+    typical = gates[len(gates) // 2] if gates else 0.0
+    return elapsed + typical <= config.budget_s
+
+
 def stop_reason(state: RunState, config) -> str:
-    if time.time() - (state.get("started_at") or time.time()) > config.budget_s:
-        return "time budget spent"
+    if not budget_allows_another(state, config):
+        elapsed = time.time() - (state.get("started_at") or time.time())
+        return "time budget spent" if elapsed > config.budget_s else "time budget: not enough left for another candidate"
     if (state.get("candidates_tried") or 0) >= config.max_candidates:
         return f"candidate limit ({config.max_candidates}) reached"
     if (state.get("low_gain_rounds") or 0) >= config.low_gain_rounds_to_stop:

@@ -90,7 +90,6 @@ def verify_run(
     min_gain default to the run's settings. `kb=None` records no knowledge-base outcomes.
     """
     from trainbridge.graph.app import load_config
-    from trainbridge.graph.context import RunContext
     from trainbridge.sandbox.backends import probe as default_probe
 
     config, paths = load_config(run_id, root)
@@ -98,6 +97,17 @@ def verify_run(
     if not availability.available:
         raise VerifyRefused(f"cannot verify run {run_id} here: {backend} is not usable: {availability.reason}. Speed on "
                             f"an NPU is only measured on an NPU: run `trainbridge verify {run_id}` on an NPU host.")
+    from trainbridge.graph.app import run_lock
+
+    with run_lock(paths):  # never while `run`/`resume`/`review` drive the same run's worktrees
+        return _verify(config, paths, availability, gate=gate, rounds=rounds, min_gain=min_gain, confidence=confidence,
+                       kb=kb, say=say, root=root, backend=backend)
+
+
+def _verify(config, paths, availability, *, gate, rounds, min_gain, confidence, kb, say, root, backend) -> VerifyReport:
+    from trainbridge.graph.context import RunContext
+
+    run_id = config.run_id
     context = RunContext(config=config, paths=paths, say=say)
     knowledge = context.kb if kb == "default" else kb
     workspace = _open_workspace(context)

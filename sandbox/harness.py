@@ -109,7 +109,8 @@ def run_mode(mode: str, parts: dict[str, Any], backend, request: dict[str, Any],
     elif mode == "capture":
         from trainbridge.tools.inductor_capture import capture_inductor_evidence
 
-        out_dir = capture_inductor_evidence(parts, Path(request["evidence_dir"]), steps=max(steps, 2), repo_root=Path(request["root"]))
+        out_dir = capture_inductor_evidence(parts, Path(request["evidence_dir"]), steps=max(steps, 2), repo_root=Path(request["root"]),
+                                            timed_steps=int(request.get("timed_steps", 0)))
         result.setdefault("extra", {})["evidence_dir"] = str(out_dir)
     elif mode == "numerics":
         from trainbridge.sandbox.numerics_probe import run_numerics

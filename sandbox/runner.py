@@ -13,7 +13,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +22,7 @@ from trainbridge.sandbox.command_mode import parse_command_output
 from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory, network_isolation, scrubbed_env
 from trainbridge.sandbox.npu_emulation import selection_env
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
+from trainbridge.sandbox.scratch import scratch_dir
 from trainbridge.sandbox.workload import Workload
 
 ProgressCallback = Callable[[int, int], None]  # (steps done, steps total)
@@ -49,8 +49,7 @@ def run_workload(
     if target.name == "npu":  # the real torch_npu when usable, else the CPU stand-in first on the child's path
         env = selection_env(npu_selection(), env)
     total = config.warmup_steps + config.steps
-    with tempfile.TemporaryDirectory(prefix="trainbridge-run-", dir=work_dir) as tmp:
-        tmp_dir = Path(tmp)
+    with scratch_dir("trainbridge-run-", work_dir) as tmp_dir:
         if config.mode == "entry":
             request = {
                 "mode": mode,

@@ -434,13 +434,18 @@ def test_real_capture_end_to_end_in_a_subprocess(tmp_path):
         f"sys.path.insert(0, {str(MODELS)!r})\n"
         "import tiny_llama\n"
         "from trainbridge.tools.inductor_capture import capture_inductor_evidence\n"
-        f"capture_inductor_evidence(tiny_llama.make_parts(), Path({str(out)!r}), steps=2, repo_root=Path({str(REPO)!r}))\n"
+        f"capture_inductor_evidence(tiny_llama.make_parts(), Path({str(out)!r}), steps=2, repo_root=Path({str(REPO)!r}), "
+        "timed_steps=3)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=900, cwd=tmp_path,
                    capture_output=True)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["graphs"] == ["0_forward", "0_backward"]
     assert manifest["cold_compile_step_s"] > 0 and len(manifest["losses"]) == 2
+    # the reference's own speed: three more compiled steps, far quicker than the compiling one
+    timed = manifest["compiled_step_wall_s"]
+    assert len(timed) == 3 and manifest["compiled_step_s"] == sorted(timed)[1]
+    assert 0 < manifest["compiled_step_s"] < manifest["cold_compile_step_s"] / 5
     assert all(f in manifest["files"] for f in ("kernel_stack_traces.json", "dynamo.json", "trace.json"))
     parsed = parse_evidence_dir(out, REPO)
     model = MODELS / "tiny_llama.py"

@@ -380,6 +380,12 @@ def test_route_after_decide():
     assert nodes.route_after_decide({**rejected, "recipe_queue": []}, runtime) == "retrieval"
     assert nodes.route_after_decide({**rejected, "candidates_tried": 3}, _runtime(max_candidates=3)) == "report"
     assert nodes.route_after_decide({**rejected, "started_at": now - 100}, _runtime(budget_s=10)) == "report"
+    # 60 s left, but the typical gate so far took 90 s: stop now rather than one gate past the budget
+    gates = [{"node": "profiler", "wall_s": w, "parts": {}} for w in (80.0, 90.0, 200.0)]
+    short = {**rejected, "started_at": now - 540, "phase_times": gates}
+    assert nodes.route_after_decide(short, _runtime(budget_s=600)) == "report"
+    assert nodes.stop_reason(short, _runtime(budget_s=600).context.config) == "time budget: not enough left for another candidate"
+    assert nodes.route_after_decide({**short, "started_at": now - 500}, _runtime(budget_s=600)) == "coder"
     assert nodes.route_after_decide({**after_accept, "low_gain_rounds": 2}, _runtime(low_gain_rounds_to_stop=2)) == "report"
 
 
@@ -431,6 +437,18 @@ def test_end_to_end_accepts_a_measured_gain_and_rejects_wrong_numerics(reference
     assert len(wrong) == 1 and wrong[0]["reason"] == "numerics_mismatch" and not wrong[0]["accepted"], wrong
     assert "gradient" in wrong[0]["message"] and wrong[0]["category"] == "rmsnorm"
     assert state["stop_reason"] == "no intents left" and state["candidates_tried"] == 2
+
+    # the loop's own cost: one entry per node run, in order, with the sub-phases the nodes measured
+    times = state["phase_times"]
+    assert [t["node"] for t in times][:3] == ["prepare", "analyst", "retrieval"] and times[-1]["node"] == "report"
+    assert [t["node"] for t in times].count("profiler") == 2 and all(t["wall_s"] >= 0 for t in times)
+    by_node = {t["node"]: t for t in times}
+    assert 0 < by_node["prepare"]["parts"]["baseline"] <= by_node["prepare"]["wall_s"]
+    assert {"static", "profile"} <= set(by_node["analyst"]["parts"])
+    gated = [t for t in times if t["node"] == "profiler"]
+    assert all(0 < t["parts"]["numerics"] <= t["wall_s"] for t in gated)
+    assert any(t["parts"].get("timing", 0) > 0 for t in gated)  # the accepted candidate was timed
+    assert sum(t["wall_s"] for t in times) <= run.wall_s
 
     # the knowledge base knows both outcomes, with the rejection's reason
     outcomes = {o.recipe_id: o for o in run_outcomes(run.config.kb_dir, "reference")}

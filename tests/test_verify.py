@@ -184,6 +184,19 @@ def test_replays_in_order_accepts_fast_forward_drops_the_rest_and_records(tmp_pa
     assert len(gate.calls) == 2 and again.run_head_after == accepted and len(again.outcomes) == 3
 
 
+def test_verify_waits_for_no_one_while_the_run_holds_its_lock(tmp_path):
+    from trainbridge.graph.app import run_lock
+    from trainbridge.graph.state import RunPaths
+
+    repo, runs, workspace = make_run(tmp_path, [("c1", FAST)])
+    gate = ScriptedGate()
+    with run_lock(RunPaths(RUN, runs)):  # `trainbridge resume` of the same run is driving its worktrees
+        with pytest.raises(RunError, match="is already running"):
+            verify_run(RUN, root=runs, probe=REAL_NPU, gate=gate, kb=None)
+    assert gate.calls == [] and workspace.head_sha == _git(repo, "rev-parse", f"trainbridge/{RUN}")
+    assert len(verify_run(RUN, root=runs, probe=REAL_NPU, gate=gate, kb=None).outcomes) == 1  # free again: it runs
+
+
 @pytest.mark.parametrize("lose_record", [False, True])
 def test_an_interrupted_verify_resumes_without_duplicates(tmp_path, lose_record):
     repo, runs, workspace = make_run(tmp_path, [("c1", FAST), ("c2", WRONG)])

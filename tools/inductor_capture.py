@@ -29,6 +29,7 @@ import json
 import logging
 import platform
 import re
+import statistics
 import sys
 import time
 from collections import Counter
@@ -64,13 +65,16 @@ def capture_inductor_evidence(
     chrome_trace: bool = True,
     count_eager_ops: bool = True,
     repo_root: Path | None = None,
+    timed_steps: int = 0,
 ) -> Path:
     """Compile `parts["model"]` with Inductor, run `steps` training steps, write the evidence.
 
     parts: {"model", "optimizer", "batch", "loss_fn", "train_step"}; `train_step(model,
     optimizer, batch)` is the whole step, `batch(i)` the i-th batch. Returns `out_dir`.
     The model's parameters are trained by these steps (and by one more eager step when
-    `count_eager_ops`): capture on a throwaway copy of the workload.
+    `count_eager_ops`): capture on a throwaway copy of the workload. `timed_steps` more compiled
+    steps, outside the profiler, give the manifest's `compiled_step_s` (their median): the speed of
+    the torch.compile reference on this machine.
     """
     import torch
 
@@ -109,6 +113,7 @@ def capture_inductor_evidence(
             step_wall_s.append(time.perf_counter() - t0)
             if i == trace_step:
                 prof.export_chrome_trace(str(out_dir / TRACE_FILE))
+        timed_wall_s = _timed_steps(compiled, optimizer, batch, train_step, first=steps, count=timed_steps)
 
     if not recorder.graphs:
         notes.append("Inductor generated no code: nothing was compiled (check graph breaks)")
@@ -133,6 +138,8 @@ def capture_inductor_evidence(
         "trace_step": trace_step,
         "step_wall_s": [round(s, 4) for s in step_wall_s],
         "cold_compile_step_s": round(step_wall_s[0], 3),
+        "compiled_step_wall_s": [round(x, 5) for x in timed_wall_s],
+        "compiled_step_s": round(statistics.median(timed_wall_s), 5) if timed_wall_s else None,
         "losses": losses,
         "graphs": [g["aot_id"] for g in recorder.graphs],
         "notes": notes,
@@ -141,6 +148,16 @@ def capture_inductor_evidence(
     manifest["files"].append(MANIFEST_FILE)
     _write_json(out_dir / MANIFEST_FILE, manifest)
     return out_dir
+
+
+def _timed_steps(compiled, optimizer, batch, train_step, *, first: int, count: int) -> list[float]:
+    """Wall time of `count` more compiled steps (batches first, first+1, ...), each ended by `.item()`."""
+    times = []
+    for i in range(first, first + count):
+        t0 = time.perf_counter()
+        _as_float(train_step(compiled, optimizer, batch(i)))
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def _check_parts(parts: dict) -> None:

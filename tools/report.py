@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -42,18 +43,65 @@ def _speedup_line(baseline: float | None, final: float | None, accepted: list[di
     ratios = [a["ratio"] for a in accepted if a.get("ratio")]
     lines = []
     if ratios:
-        product = 1.0
-        for ratio in ratios:
-            product *= ratio
+        product = math.prod(ratios)
         per_commit = "; ".join(
             f"{a.get('category')} {a['ratio']:.3f}" + (f" (95% CI {a['ratio_ci'][0]:.3f}–{a['ratio_ci'][1]:.3f})" if a.get("ratio_ci") else "")
             for a in accepted if a.get("ratio"))
+        combined = combined_ci([(a["ratio"], tuple(a["ratio_ci"])) for a in accepted if a.get("ratio") and a.get("ratio_ci")])
+        interval = (f" (approximate 95% CI of the product {combined[0]:.3f}–{combined[1]:.3f}: the commits' intervals combined "
+                    "in quadrature on the log scale)") if combined and len(ratios) > 1 else ""
         lines.append(f"Gate-measured step-time ratios per accepted commit (candidate / previous head, interleaved A/B): {per_commit}. "
-                     f"Their product: **{1 / product:.2f}x faster** than the baseline of {_ms(baseline)}.")
+                     f"Their product: ratio {product:.3f}{interval}, **{1 / product:.2f}x faster** than the baseline of {_ms(baseline)}.")
     if baseline and final:
         lines.append(f"A single re-measurement of the final head (not interleaved, so noisier): {_ms(final)} vs {_ms(baseline)} "
                      f"at the start ({baseline / final:.2f}x).")
     return " ".join(lines) or "Accepted commits have no measured ratio (numerics-only verdicts)."
+
+
+def combined_ci(ratios: list[tuple[float, tuple[float, float]]]) -> tuple[float, float] | None:
+    """Approximate CI of a product of independently measured ratios: each interval's half-widths in
+    log space, combined in quadrature (upper and lower sides separately)."""
+    if not ratios:
+        return None
+    log_point = sum(math.log(r) for r, _ in ratios)
+    low = math.sqrt(sum((math.log(r) - math.log(ci[0])) ** 2 for r, ci in ratios))
+    high = math.sqrt(sum((math.log(ci[1]) - math.log(r)) ** 2 for r, ci in ratios))
+    return math.exp(log_point - low), math.exp(log_point + high)
+
+
+def _reference_line(state: dict[str, Any], final: float | None) -> str | None:
+    reference = state.get("reference_step_s")
+    if not reference:
+        return None
+    baseline = state.get("baseline_step_s")
+    text = (f"torch.compile of the original (Inductor, measured once while the analyst compiled it, not interleaved): "
+            f"{_ms(reference)}")
+    if baseline:
+        text += f", {baseline / reference:.2f}x the baseline's speed"
+    if final:
+        text += f"; the final head is {reference / final:.2f}x its speed ({'faster' if final < reference else 'slower'} than torch.compile)"
+    return text + "."
+
+
+def _loop_cost(state: dict[str, Any]) -> list[str]:
+    times = state.get("phase_times") or []
+    if not times:
+        return []
+    totals: dict[str, list[float]] = {}
+    parts: dict[str, float] = {}
+    for entry in times:
+        totals.setdefault(entry["node"], []).append(entry["wall_s"])
+        for name, seconds in (entry.get("parts") or {}).items():
+            parts[f"{entry['node']}.{name}"] = parts.get(f"{entry['node']}.{name}", 0.0) + seconds
+    lines = ["## Loop cost", "", "| node | runs | wall time | of which |", "|---|---|---|---|"]
+    for node, walls in totals.items():
+        detail = ", ".join(f"{k.split('.', 1)[1]} {v:.1f} s" for k, v in parts.items() if k.startswith(node + "."))
+        lines.append(f"| {node} | {len(walls)} | {sum(walls):.1f} s | {detail or '-'} |")
+    accepted = len(state.get("accepted") or [])
+    tried = state.get("candidates_tried") or 0
+    lines += ["", f"Candidates tried per accepted commit: {tried / accepted:.1f}." if accepted else
+              f"Candidates tried: {tried}, none accepted.", ""]
+    return lines
 
 
 def _markdown(state, config, final, stop_reason, emulated_npu, kb_stats, charts) -> str:
@@ -76,6 +124,9 @@ def _markdown(state, config, final, stop_reason, emulated_npu, kb_stats, charts)
         _speedup_line(baseline, final, accepted),
         "",
     ]
+    reference = _reference_line(state, final)
+    if reference:
+        lines += [reference, ""]
     if state.get("eager_ops_before") is not None:
         lines += [f"Eager ops per step: {state['eager_ops_before']} before, {state.get('eager_ops_now')} at the last analysis.", ""]
     lines += ["## Candidates", "", "| # | intent | recipe | verdict | ratio (CI) | detail |", "|---|---|---|---|---|---|"]
@@ -88,6 +139,7 @@ def _markdown(state, config, final, stop_reason, emulated_npu, kb_stats, charts)
         detail = html.escape((record.get("message") or "").replace("\n", " ").replace("|", "/"), quote=False)[:240]
         lines.append(f"| {number} | {record.get('category')} | {record.get('recipe_id') or '-'} | "
                      f"{'accepted' if record.get('accepted') else record.get('reason')} | {ratio} | {detail} |")
+    lines += [""] + _loop_cost(state)
     if kb_stats:
         lines += ["", "## Knowledge base", "", "```", json.dumps(kb_stats, indent=2, default=str), "```"]
     if charts:

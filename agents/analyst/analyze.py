@@ -8,7 +8,7 @@ runs in sandbox children.
 
 from __future__ import annotations
 
-import tempfile
+import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,9 +22,12 @@ from trainbridge.agents.analyst.static_scan import scan_repo_result
 from trainbridge.records import FusionGroup, Intent, Record
 from trainbridge.sandbox.results import RunResult
 from trainbridge.sandbox.runner import run_workload
+from trainbridge.sandbox.scratch import scratch_dir
 from trainbridge.sandbox.workload import Workload
 from trainbridge.tools.eager_profile import EagerOpTable
 from trainbridge.tools.inductor_parser import EvidenceSummary, parse_evidence_dir
+
+REFERENCE_TIMED_STEPS = 5  # compiled steps timed after the capture: the torch.compile reference's speed here
 
 PhaseCallback = Callable[[str], None]
 
@@ -41,6 +44,8 @@ class Analysis(Record):
     phase_seconds: dict[str, float] = Field(default_factory=dict)
     eager_ops_per_step: int | None = None
     eager_step_time_us: float | None = None
+    reference_step_s: float | None = Field(default=None, description="median step of the torch.compile reference when compiled "
+                                           "here (same machine and sandbox as the eager runs; one run, not interleaved)")
     reference: EvidenceSummary | None = None
     reference_source: str | None = Field(default=None, description="'compiled here' or the pack's path")
     skipped_files: list[str] = Field(default_factory=list)
@@ -75,11 +80,13 @@ def analyze_repo(
     optimizer_class = profiled.extra.get("optimizer_class")
 
     reference_groups: list[FusionGroup] | None = None
+    reference_step_s: float | None = None
     summary: EvidenceSummary | None = None
     source: str | None = None
     if reference_pack is not None or compile_reference:
-        with _timed("reference", timings, on_phase), tempfile.TemporaryDirectory(prefix="trainbridge-evidence-") as tmp:
+        with _timed("reference", timings, on_phase), scratch_dir("trainbridge-evidence-") as tmp:
             evidence_dir, source = _reference_dir(workload, backend, reference_pack, Path(tmp))
+            reference_step_s = _compiled_step_s(evidence_dir) if reference_pack is None else None
             parsed = parse_evidence_dir(evidence_dir, root)
             reference_groups, summary = parsed.groups, parsed.summary
     else:
@@ -98,6 +105,7 @@ def analyze_repo(
         phase_seconds=timings,
         eager_ops_per_step=step_ops,
         eager_step_time_us=(sorted(table.step_times_us)[len(table.step_times_us) // 2] if table.step_times_us else None),
+        reference_step_s=reference_step_s,
         reference=summary,
         reference_source=source,
         skipped_files=skipped,
@@ -113,8 +121,17 @@ def _reference_dir(workload: Workload, backend: str, pack: Path | None, tmp: Pat
         return unpacked.evidence_dir, str(pack)
     evidence_dir = tmp / "evidence"
     captured = run_workload(workload.with_overrides(steps=2, warmup_steps=0), backend=backend, mode="capture",
-                            extra_request={"evidence_dir": str(evidence_dir)})
+                            extra_request={"evidence_dir": str(evidence_dir), "timed_steps": REFERENCE_TIMED_STEPS})
     return Path(_extra(captured, "evidence_dir", "compiling the reference step with torch.compile")), "compiled here"
+
+
+def _compiled_step_s(evidence_dir: Path) -> float | None:
+    try:
+        manifest = json.loads((Path(evidence_dir) / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = manifest.get("compiled_step_s")
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 def _extra(result: RunResult, key: str, what: str):

@@ -23,7 +23,6 @@ A failure of the *baseline* is not the candidate's fault: it raises `GateError`.
 from __future__ import annotations
 
 import random
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +35,7 @@ from trainbridge.agents.profiler.stats import SpeedOutcome, decide_speed, gate_d
 from trainbridge.agents.profiler.verdict import FAILURE_REASONS, Verdict, VerdictReason
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
 from trainbridge.sandbox.runner import run_workload
+from trainbridge.sandbox.scratch import scratch_dir
 from trainbridge.sandbox.workload import Workload
 
 GateProgress = Callable[[str, int, int], None]  # (phase, done, total); phases "numerics", "timing"
@@ -109,8 +109,8 @@ def run_gate(
     sides: dict[str, tuple[RunResult, ProbeReport, dict]] = {}
     for done, (side, workload) in enumerate((("baseline", baseline), ("candidate", candidate)), start=1):
         # each side writes into a directory of its own that is gone before the other side runs
-        with tempfile.TemporaryDirectory(prefix=f"trainbridge-gate-{side}-", dir=work_dir) as tmp:
-            grads_path = Path(tmp) / "grads.pt"
+        with scratch_dir(f"trainbridge-gate-{side}-", work_dir) as tmp:
+            grads_path = tmp / "grads.pt"
             run, report = run_probe(workload, backend=backend, seed=numerics_seed, batch_indices=batch_indices,
                                     grads_path=grads_path, extra_env=extra_env, work_dir=work_dir)
             failure = run.failure

@@ -1,0 +1,41 @@
+"""Re-analysis skips the run's own rewrites: lines added since the base, in a category already landed."""
+
+from __future__ import annotations
+
+import subprocess
+
+from trainbridge.graph.landed import added_lines, is_own_rewrite
+from trainbridge.records import Intent, IntentSource, SourceSpan
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True, capture_output=True)
+
+
+def _intent(category: str, file: str, start: int, end: int) -> Intent:
+    spans = [SourceSpan(file=file, line_start=start, line_end=end)]
+    return Intent(id=Intent.make_id(category, spans), category=category, spans=spans, confidence=0.9, source=IntentSource.runtime)
+
+
+def test_added_lines_and_own_rewrites(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    original = [f"line {i}" for i in range(1, 11)]
+    (repo / "pkg" / "model.py").write_text("\n".join(original) + "\n")
+    (repo / "other.py").write_text("a\nb\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "base")
+    base = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+    # a rewrite: a helper inserted at the top (2 lines), line 5 replaced by two lines, other.py untouched
+    rewritten = ["import helper", ""] + original[:4] + ["fused(x)", "  # fused"] + original[5:]
+    (repo / "pkg" / "model.py").write_text("\n".join(rewritten) + "\n")
+    _git(repo, "commit", "-qam", "rewrite")
+
+    added = added_lines(repo, base)
+    assert added == {"pkg/model.py": {1, 2, 7, 8}}
+    assert is_own_rewrite(_intent("rmsnorm", "pkg/model.py", 7, 8), added, {"rmsnorm"})
+    assert not is_own_rewrite(_intent("rmsnorm", "pkg/model.py", 7, 9), added, {"rmsnorm"})  # reaches an old line
+    assert not is_own_rewrite(_intent("silu", "pkg/model.py", 7, 7), added, {"rmsnorm"})  # another category
+    assert not is_own_rewrite(_intent("rmsnorm", "other.py", 1, 1), added, {"rmsnorm"})
+    assert added_lines(repo, "HEAD") == {}

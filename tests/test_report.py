@@ -1,0 +1,54 @@
+"""The run report's figures: product of gate ratios with a combined interval, the torch.compile line, the loop's cost."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from trainbridge.tools.report import combined_ci, write_report
+
+
+def _state() -> dict:
+    accepted = [
+        {"category": "attention", "recipe_id": "attention-sdpa-causal", "accepted": True, "reason": "accepted",
+         "message": "faster", "ratio": 0.9, "ratio_ci": [0.85, 0.95]},
+        {"category": "silu", "recipe_id": "silu-functional", "accepted": True, "reason": "accepted",
+         "message": "faster", "ratio": 0.98, "ratio_ci": [0.97, 0.99]},
+    ]
+    return {
+        "run_id": "r", "base_sha": "a" * 40, "run_branch": "trainbridge/r", "baseline_step_s": 0.125,
+        "reference_step_s": 0.100, "accepted": accepted, "verdicts": accepted, "candidates_tried": 3,
+        "phase_times": [
+            {"node": "prepare", "wall_s": 6.0, "parts": {"baseline": 5.5}},
+            {"node": "analyst", "wall_s": 50.0, "parts": {"static": 0.1, "profile": 3.9, "reference": 45.0}},
+            {"node": "profiler", "wall_s": 80.0, "parts": {"numerics": 8.0, "timing": 72.0}},
+            {"node": "profiler", "wall_s": 60.0, "parts": {"numerics": 7.0, "timing": 53.0}},
+        ],
+    }
+
+
+def test_combined_interval_is_the_quadrature_sum_on_the_log_scale():
+    low, high = combined_ci([(0.9, (0.85, 0.95)), (0.98, (0.97, 0.99))])
+    point = math.log(0.9 * 0.98)
+    assert low == pytest.approx(math.exp(point - math.hypot(math.log(0.9 / 0.85), math.log(0.98 / 0.97))))
+    assert high == pytest.approx(math.exp(point + math.hypot(math.log(0.95 / 0.9), math.log(0.99 / 0.98))))
+    assert low < 0.9 * 0.98 < high
+    assert combined_ci([(0.9, (0.85, 0.95))]) == pytest.approx((0.85, 0.95))
+    assert combined_ci([]) is None
+
+
+def test_report_states_baseline_product_compile_reference_and_loop_cost(tmp_path):
+    config = SimpleNamespace(run_id="r", repo="/repo", target="cpu")
+    paths = write_report(_state(), config, tmp_path, final_step_s=0.110, stop_reason="no intents left", emulated_npu=False,
+                         kb_stats=None)
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert "baseline step: 125.0 ms" in markdown
+    assert "ratio 0.882" in markdown and "1.13x faster" in markdown and "approximate 95% CI of the product" in markdown
+    assert "torch.compile of the original" in markdown and "100.0 ms, 1.25x the baseline's speed" in markdown
+    assert "the final head is 0.91x its speed (slower than torch.compile)" in markdown
+    assert "| profiler | 2 | 140.0 s | numerics 15.0 s, timing 125.0 s |" in markdown
+    assert "| analyst | 1 | 50.0 s | static 0.1 s, profile 3.9 s, reference 45.0 s |" in markdown
+    assert "Candidates tried per accepted commit: 1.5." in markdown
+    assert all(p.is_file() for p in paths)
