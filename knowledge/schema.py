@@ -287,6 +287,9 @@ class Recipe(_Model):
         return "\n".join(p for p in parts if p)
 
 
+PENDING_VERDICT = "speed_unmeasured_numerics_ok"
+
+
 class Outcome(_Model):
     """One tried candidate and its verdict: what was tried where, and what the gate measured."""
 
@@ -307,6 +310,11 @@ class Outcome(_Model):
     @property
     def accepted(self) -> bool:
         return self.verdict == "accepted"
+
+    @property
+    def pending(self) -> bool:
+        """Numerics verified on the NPU emulation, speed not measured yet: neither a win nor a loss."""
+        return self.verdict.startswith(PENDING_VERDICT)
 
     @model_validator(mode="after")
     def _fill_id(self) -> "Outcome":

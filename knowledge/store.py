@@ -69,6 +69,7 @@ class KBStats(_Model):
     outcomes: int
     accepted: int
     rejected: int
+    pending: int = 0  # NPU candidates verified on the emulation, waiting for a measurement on hardware
     recipes_by_category: dict[str, int]
     recipes_by_target: dict[str, int]
 
@@ -121,6 +122,7 @@ def _outcome_metadata(outcome: Outcome) -> dict[str, Any]:
         "recipe_id": outcome.recipe_id or "",
         "run_id": outcome.run_id,
         "accepted": outcome.accepted,
+        "pending": outcome.pending,
         "record": outcome.model_dump_json(),
     }
     if outcome.ratio is not None:
@@ -135,7 +137,7 @@ def _bump(recipe: Recipe, outcome: Outcome) -> Recipe:
         stats.accepted += 1
         if outcome.ratio is not None and (stats.best_ratio is None or outcome.ratio < stats.best_ratio):
             stats.best_ratio = outcome.ratio
-    else:
+    elif not outcome.pending:  # a pending NPU candidate is tried, not judged: its verdict comes from `trainbridge verify`
         stats.rejected += 1
     return recipe.model_copy(update={"stats": stats})
 
@@ -443,7 +445,7 @@ class KnowledgeBase:
                 ratio=meta.get("ratio"),
             )
             for meta, dist in zip(past["metadatas"][0], past["distances"][0])
-            if meta["recipe_id"] in candidates
+            if meta["recipe_id"] in candidates and not meta.get("pending")  # not judged yet: no evidence either way
         ]
         return rank(candidates.values(), hits, str(intent.category), backend)[:n]
 
@@ -484,13 +486,15 @@ class KnowledgeBase:
         by_category = Counter(str(r.category) for r in recipes)
         by_target = Counter(str(t) for r in recipes for t in r.targets)
         accepted = len(self._get_all(self._outcomes, {"accepted": True}, [])["ids"])
+        pending = len(self._get_all(self._outcomes, {"pending": True}, [])["ids"])
         total = self._outcomes.count()
         return KBStats(
             location=self.location,
             recipes=len(recipes),
             outcomes=total,
             accepted=accepted,
-            rejected=total - accepted,
+            pending=pending,
+            rejected=total - accepted - pending,
             recipes_by_category=dict(sorted(by_category.items())),
             recipes_by_target=dict(sorted(by_target.items())),
         )

@@ -354,8 +354,15 @@ def test_record_outcome_updates_stats_and_outcomes_are_queryable(kb):
     assert kb.outcomes_for(category="rmsnorm", limit=1) == [records[4]]
     assert kb.outcomes_for(backend="cpu") == []
     s = kb.stats()
-    assert (s.outcomes, s.accepted, s.rejected) == (6, 4, 2)
+    assert (s.outcomes, s.accepted, s.rejected, s.pending) == (6, 4, 2, 0)
     assert s.recipes_by_category["rmsnorm"] == 2 and s.recipes_by_target["npu"] == 3
+    # an NPU candidate whose numerics passed on the emulation is tried, but neither accepted nor rejected
+    pending = outcome(rid, "speed_unmeasured_numerics_ok: numerics match. Speed unmeasured", minutes=7)
+    assert pending.pending and not pending.accepted
+    kb.record_outcome(pending)
+    assert kb.get_recipe(rid).stats.model_dump() == {"tried": 5, "accepted": 3, "rejected": 1, "best_ratio": 0.8}
+    s = kb.stats()
+    assert (s.outcomes, s.accepted, s.rejected, s.pending) == (7, 4, 2, 1)
 
 
 def test_search_finds_recipes_from_code_and_kernel_names(kb):
@@ -402,6 +409,10 @@ def test_ranking_learns_from_outcomes_on_similar_evidence(kb):
     # ... and on cpu runs neither
     kb.record_outcomes([outcome(before[0], "slower", backend="cpu", minutes=10 + i) for i in range(5)])
     assert [r.recipe.id for r in kb.rank_recipes(rms, "npu", n=2)] == before
+    # pending NPU verdicts (numerics verified on the emulation, speed unmeasured) are no evidence either way
+    kb.record_outcomes([outcome(before[0], "speed_unmeasured_numerics_ok: numerics match", minutes=40 + i) for i in range(4)])
+    unjudged = kb.rank_recipes(rms, "npu", n=2)
+    assert [r.recipe.id for r in unjudged] == before and unjudged[0].parts.similar_outcomes == 0.0
     # rejections on the same kind of region on npu, and acceptances of the other, flip the order
     kb.record_outcomes([outcome(before[0], "slower: ratio 1.04", minutes=20 + i, ratio=1.04) for i in range(3)])
     kb.record_outcomes([outcome(before[1], "accepted", minutes=30 + i, ratio=0.82) for i in range(2)])
