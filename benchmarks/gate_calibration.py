@@ -60,6 +60,13 @@ def planted_variant(source: Path, dest: Path, slowdown: float) -> Workload:
     return load_workload(dest)
 
 
+def write_json(path: Path, record: dict) -> None:
+    """Atomically: a reader (or a killed run) never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    tmp.replace(path)
+
+
 def run_round(programs: dict[str, Workload], order: list[str], seed: int, steps: int, backend: str) -> dict[str, list[float]]:
     samples = {}
     for name in order:
@@ -141,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         record = measure(args)
         report(record, args, args.slowdowns)
-    args.out.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    write_json(args.out, record)
     print(f"JSON: {args.out}")
     return 0
 
@@ -173,7 +180,7 @@ def measure(args) -> dict:
             elapsed = time.monotonic() - started
             print(f"round {index + 1}/{total} done in {elapsed:.0f} s; medians (ms): "
                   + ", ".join(f"{n} {1000 * statistics.median(samples[n]):.2f}" for n in names), file=sys.stderr, flush=True)
-            args.out.write_text(json.dumps(record, indent=1), encoding="utf-8")
+            write_json(args.out, record)
     record["machine"]["loadavg_end"] = os.getloadavg()
     record["wall_s"] = time.monotonic() - started
     return record

@@ -1,0 +1,268 @@
+"""The benchmark suite's machinery: interleaving order, the persistent sandboxed workers measuring a
+real workload, ratio aggregation, loop-cost and intent accounting, depth scaling, report rendering."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import re
+import shutil
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+MLP = BENCH / "workloads" / "mlp"
+
+
+def bench(name: str):
+    """A module of benchmarks/ (a folder of scripts, not a package), imported the way the suite does."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
+
+
+def planted(tmp: Path, slowdown: float):
+    from trainbridge.sandbox.workload import load_workload
+
+    return bench("gate_calibration").planted_variant(MLP, tmp / f"slow_{slowdown:g}", slowdown)
+
+
+# --- interleaving ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_williams_orders_balance_positions_and_neighbours(n):
+    rows = bench("speedup").williams_rows(n)
+    assert len(rows) == (n if n % 2 == 0 else 2 * n)
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    for position in range(n):  # every variant in every position equally often
+        assert set(Counter(row[position] for row in rows).values()) == {len(rows) // n}
+    pairs = Counter((a, b) for row in rows for a, b in itertools.pairwise(row))
+    assert set(pairs) == {(a, b) for a in range(n) for b in range(n) if a != b}
+    assert len(set(pairs.values())) == 1  # every ordered neighbour pair equally often
+
+
+def test_round_orders_cycle_and_differ_from_round_to_round():
+    orders = bench("speedup").round_orders(["eager", "trainbridge", "compile", "trainbridge+compile"], 6)
+    assert len(orders) == 6
+    assert orders[0] != orders[1] and orders[4] == orders[0]
+    assert [o[0] for o in orders[:4]] == ["eager", "trainbridge", "compile", "trainbridge+compile"]
+
+
+# --- workers on a real workload ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlp_measurement(tmp_path_factory):
+    """Eager MLP against a copy with a planted 2x slowdown, in two persistent workers, 3 rounds."""
+    from trainbridge.sandbox.workload import load_workload
+
+    speedup = bench("speedup")
+    slow = planted(tmp_path_factory.mktemp("planted"), 1.0)
+    messages: list[str] = []
+    measured = speedup.measure_variants({speedup.EAGER: (load_workload(MLP), False), speedup.BRANCH: (slow, False)},
+                                        rounds=3, steps=5, warmup_steps=2, say=messages.append)
+    return measured, messages
+
+
+def test_workers_measure_every_round_in_rotating_order(mlp_measurement):
+    measured, messages = mlp_measurement
+    assert measured["orders"] == [["eager", "trainbridge"], ["trainbridge", "eager"], ["eager", "trainbridge"]]
+    for name in ("eager", "trainbridge"):
+        assert len(measured["samples"][name]) == 3
+        assert all(len(r) == 5 and all(0 < t < 5 for t in r) for r in measured["samples"][name])
+        assert len(measured["build"][name]["warmup_times_s"]) == 2
+    assert measured["versions"]["torch"]
+    assert any("round 3/3" in m for m in messages)
+
+
+def test_planted_slowdown_shows_in_the_paired_ratio(mlp_measurement):
+    summary = bench("speedup").summarise(mlp_measurement[0]["samples"])
+    ratio = summary["ratios"]["trainbridge / eager"]
+    assert ratio["rounds"] == 3 and len(ratio["round_ratios"]) == 3
+    assert ratio["ci"][0] <= ratio["ratio"] <= ratio["ci"][1]
+    assert ratio["ratio"] > 1.3, ratio  # planted: each step spins as long again as its real work
+    assert summary["median_step_s"]["trainbridge"] > summary["median_step_s"]["eager"]
+
+
+def test_aliased_variants_are_the_measured_ones(mlp_measurement):
+    speedup = bench("speedup")
+    samples = {"eager": mlp_measurement[0]["samples"]["eager"]}
+    summary = speedup.summarise(samples, aliases={speedup.BRANCH: speedup.EAGER})
+    assert summary["ratios"]["trainbridge / eager"]["ratio"] == 1.0
+    assert summary["ratios"]["trainbridge / eager"]["ci"] == [1.0, 1.0]
+    assert summary["median_step_s"]["trainbridge"] == summary["median_step_s"]["eager"]
+
+
+def _tiny_workload(root: Path, body: str) -> Path:
+    root.mkdir()
+    (root / "trainbridge.toml").write_text('entry = "step:build"\nwarmup_steps = 1\nsteps = 2\nthreads = 1\ntimeout_s = 120\n')
+    (root / "step.py").write_text(body)
+    return root
+
+
+def test_worker_runs_in_the_sandbox_environment_and_reports_workload_errors(tmp_path, monkeypatch):
+    from trainbridge.sandbox.workload import load_workload
+
+    speedup = bench("speedup")
+    monkeypatch.setenv("TB_BENCH_TEST_API_TOKEN", "must-not-leak")
+    source = (MLP / "step.py").read_text()
+    spy = source.replace("def build(device: str, seed: int) -> dict:\n",
+                         "def build(device: str, seed: int) -> dict:\n"
+                         "    import json, os, sys\n"
+                         "    open('env.json', 'w').write(json.dumps(sorted(os.environ)))\n"
+                         "    print('user output on stdout must not break the protocol')\n")
+    root = _tiny_workload(tmp_path / "spy", spy)
+    measured = speedup.measure_variants({"eager": (load_workload(root), False)}, rounds=1, steps=2, warmup_steps=1, say=lambda m: None)
+    assert len(measured["samples"]["eager"][0]) == 2
+    names = json.loads((root / "env.json").read_text())
+    assert "TB_BENCH_TEST_API_TOKEN" not in names and "OMP_NUM_THREADS" in names
+
+    broken = _tiny_workload(tmp_path / "broken", "def build(device, seed):\n    raise ValueError('no data here')\n")
+    with pytest.raises(speedup.WorkerError, match="no data here"):
+        speedup.measure_variants({"eager": (load_workload(broken), False)}, rounds=1, steps=1, say=lambda m: None)
+
+
+@pytest.mark.slow
+def test_compiled_worker_compiles_once_and_times_warm_steps(tmp_path):
+    from trainbridge.sandbox.workload import load_workload
+
+    speedup = bench("speedup")
+    measured = speedup.measure_variants({speedup.EAGER: (load_workload(MLP), False), speedup.COMPILE: (load_workload(MLP), True)},
+                                        rounds=2, steps=4, warmup_steps=2, say=lambda m: None,
+                                        extra_env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")})
+    build = measured["build"][speedup.COMPILE]
+    assert build["graphs"] >= 1
+    assert build["warmup_times_s"][0] > 5 * max(max(r) for r in measured["samples"][speedup.COMPILE])  # the compile step
+    assert measured["recompiled_during_timing"] == []
+    summary = speedup.summarise(measured["samples"])
+    assert set(summary["ratios"]) == {"compile / eager"}
+
+
+# --- loop cost and intents -------------------------------------------------------------------------
+
+
+def _state(with_phase_times: bool) -> dict:
+    span = {"file": "model.py", "line_start": 30, "line_end": 31}
+    verdict = lambda intent, recipe, accepted, reason, cand=True, ratio=None: {  # noqa: E731
+        "intent_id": intent, "category": intent.rsplit("-", 1)[0], "recipe_id": recipe, "candidate": f"c-{recipe}" if cand else None,
+        "accepted": accepted, "reason": reason, "message": reason, "ratio": ratio, "ratio_ci": [ratio * 0.98, ratio * 1.02] if ratio else None}
+    state = {
+        "candidates_tried": 3, "stop_reason": "time budget spent", "analyses": 2, "baseline_step_s": 0.12,
+        "intents": [{"id": "rope-1", "category": "rope", "spans": [span]}, {"id": "gelu-2", "category": "gelu", "spans": [span]}],
+        "done_intents": ["attention-3", "rmsnorm-4", "layernorm-5", "silu-6"],
+        "verdicts": [verdict("attention-3", "attention-sdpa-causal", True, "accepted", ratio=0.8),
+                     verdict("rmsnorm-4", "rmsnorm-f-rms-norm", False, "not_significant", ratio=0.995),
+                     verdict("rmsnorm-4", "x", False, "numerics_mismatch"),
+                     verdict("layernorm-5", "layernorm-f-layer-norm", False, "not_applicable", cand=False)],
+        "accepted": [verdict("attention-3", "attention-sdpa-causal", True, "accepted", ratio=0.8)],
+    }
+    if with_phase_times:
+        state["phase_times"] = [
+            {"node": "prepare", "wall_s": 5.0, "parts": {"baseline": 4.5}},
+            {"node": "analyst", "wall_s": 50.0, "parts": {"static": 0.2, "profile": 4.0, "reference": 45.0}},
+            {"node": "retrieval", "wall_s": 1.0, "parts": {}},
+            {"node": "coder", "wall_s": 2.0, "parts": {}},
+            {"node": "profiler", "wall_s": 80.0, "parts": {"numerics": 10.0, "timing": 70.0}},
+            {"node": "decide", "wall_s": 0.5, "parts": {}},
+            {"node": "analyst", "wall_s": 5.0, "parts": {"static": 0.2, "profile": 4.5}},
+            {"node": "report", "wall_s": 6.0, "parts": {}},
+        ]
+    return state
+
+
+def test_phase_breakdown_maps_nodes_to_the_issue_phases():
+    loop_cost = bench("loop_cost")
+    b = loop_cost.phase_breakdown(_state(True), wall_s=160.0)
+    assert b["phases"]["evidence"] == pytest.approx(0.2 + 4.0 + 0.2 + 4.5)
+    assert b["phases"]["compile"] == pytest.approx(45.0)
+    assert b["phases"]["retrieval"] == 1.0 and b["phases"]["codemod"] == 2.0
+    assert b["phases"]["measurement"] == pytest.approx(5.0 + 80.0 + 6.0)
+    assert b["other_s"] == pytest.approx(160.0 - 149.5)
+    missing = loop_cost.phase_breakdown(_state(False), wall_s=160.0)
+    assert set(missing["phases"].values()) == {None} and "no phase_times" in missing["note"]
+
+
+def test_intent_outcomes_say_why_an_intent_has_no_winner():
+    loop_cost = bench("loop_cost")
+    by_id = {i["intent_id"]: i for i in loop_cost.intent_outcomes(_state(True))}
+    assert by_id["attention-3"]["status"] == "accepted"
+    assert by_id["rmsnorm-4"]["status"] == "no winning recipe: every candidate rejected"
+    assert [t["reason"] for t in by_id["rmsnorm-4"]["tried"]] == ["not_significant", "numerics_mismatch"]
+    assert by_id["layernorm-5"]["status"] == "no winning recipe: no recipe applied to the code"
+    assert by_id["silu-6"]["status"] == "no recipe for this target" and by_id["silu-6"]["category"] == "silu"
+    assert by_id["rope-1"]["status"].startswith("not reached") and by_id["rope-1"]["where"] == "model.py:30"
+    stats = loop_cost.candidate_stats(_state(True))
+    assert stats["candidates_per_accepted"] == 3.0 and stats["recipes_not_applicable"] == 1
+
+
+def test_git_copy_and_branch_export(tmp_path):
+    loop_cost = bench("loop_cost")
+    repo = loop_cost.git_copy(MLP, tmp_path / "repo")
+    exported = loop_cost.export_branch(repo, "HEAD", tmp_path / "out")
+    assert (exported / "step.py").read_text() == (MLP / "step.py").read_text()
+    assert not (exported / ".git").exists()
+
+
+# --- analysis scaling ------------------------------------------------------------------------------
+
+
+def test_llama_copy_has_the_requested_depth(tmp_path):
+    scaling = bench("analysis_scaling")
+    repo = scaling.llama_at_depth(tmp_path / "l16", 16)
+    text = (repo / "model.py").read_text()
+    assert re.search(r"^\s*n_layers: int = 16$", text, re.M)
+    original = (scaling.LLAMA / "model.py").read_text()
+    assert len(text.splitlines()) == len(original.splitlines())  # line numbers (intent spans) unchanged
+
+
+def test_linearity_verdicts():
+    scaling = bench("analysis_scaling")
+    depths = [2, 4, 8, 16]
+    linear = scaling.linearity(depths, [20 + 8 * d for d in depths])
+    assert linear["verdict"] == "linear" and linear["slope"] == pytest.approx(8) and linear["r2"] == pytest.approx(1)
+    assert scaling.linearity(depths, [20 + d * d for d in depths])["verdict"] == "superlinear"
+    assert scaling.linearity(depths, [20 + 30 * d ** 0.5 for d in depths])["verdict"] == "sublinear"
+
+
+# --- rendering ---------------------------------------------------------------------------------------
+
+
+def test_report_renders_measured_figures_and_na_for_missing_phases(mlp_measurement, tmp_path):
+    speedup, report, loop_cost = bench("speedup"), bench("report"), bench("loop_cost")
+    measured = mlp_measurement[0]
+    summary = speedup.summarise(measured["samples"])
+    workload = {"workload": "mlp", "measured": measured, "summary": summary, "accepted": [], "intents": loop_cost.intent_outcomes(_state(True)),
+                "run": {"run_id": "r", "wall_s": 100.0, "exit_code": 0, "stop_reason": "no intents left"}}
+    record = {"date": "2026-01-01", "status": "complete", "command": "python benchmarks/suite.py --quick",
+              "machine": {"cpus": 2, "loadavg_start": [0.5]}, "versions": {"torch": "x"},
+              "sections": {"speedup": {"status": "ok", "settings": {"rounds": 3, "steps": 5}, "workloads": [workload]},
+                           "loop_cost": {"status": "ok", "workloads": [
+                               {"workload": "mlp", "breakdown": loop_cost.phase_breakdown(_state(False), 100.0),
+                                "candidates": loop_cost.candidate_stats(_state(False))}]}}}
+    charts = report.write_charts(record, tmp_path / "2026-01-01")
+    assert [p.name for p in charts] == ["2026-01-01.png"] and charts[0].read_bytes()[:4] == b"\x89PNG"
+    text = report.render_markdown(record, [str(p) for p in charts])
+    eager_ms = f"{1000 * summary['median_step_s']['eager']:.1f}"
+    row = next(line for line in text.splitlines() if line.startswith("| mlp | "))
+    assert eager_ms in row and f"{summary['ratios']['trainbridge / eager']['ratio']:.2f}" in row
+    assert "| mlp | 100 | n/a | n/a | n/a | n/a | n/a | n/a | 3 | 1 | 3.0 |" in text
+    assert "no winning recipe: every candidate rejected" in text
+    assert "not run (excluded with --only)" in text  # calibration, kb, scaling absent
+    assert "![2026-01-01](2026-01-01.png)" in text
+
+
+def test_suite_cli_settings_and_section_names():
+    suite = bench("suite")
+    quick = suite.parse_args(["--quick", "--only", "speedup,calibration", "--rounds", "4"])
+    assert quick.sections == ["speedup", "calibration"] and quick.settings["rounds"] == 4
+    assert quick.settings["workloads"] == ["llama_pretrain"]
+    full = suite.parse_args([])
+    assert full.sections == list(suite.SECTIONS) and full.settings["depths"] == [2, 4, 8, 16]
+    assert sum(suite.estimate_s(full.settings, full.sections).values()) < 45 * 60
+    with pytest.raises(SystemExit):
+        suite.parse_args(["--only", "speed"])
