@@ -101,6 +101,12 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
 _ANALYSIS_PARTS = {"static_scan": "static", "target_profile": "profile", "reference": "reference"}
 
 
+# The implementation ladder's last rung (reference README): compile just the region. Not on the NPU:
+# there `backend="npu"` may silently run eager, and without an NPU its speed cannot be judged here.
+LAST_RESORT_CATEGORY = "elementwise_chain"
+LAST_RESORT_TARGETS = ("cpu", "cuda")
+
+
 # --- retrieval -----------------------------------------------------------------------------------
 
 
@@ -113,9 +119,13 @@ def retrieval(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         if intent.id in done:
             continue
         ranked = ctx.kb.rank_recipes(intent, ctx.config.target, n=50)
-        queue = [r.recipe.id for r in ranked if str(r.recipe.category) == str(intent.category)
-                 and (ctx.config.recipe_ids is None or r.recipe.id in ctx.config.recipe_ids)]
-        ctx.say(f"intent {intent.category} at {', '.join(str(s) for s in intent.spans)}: {len(queue)} recipe(s)")
+        queue = [r.recipe.id for r in ranked if str(r.recipe.category) == str(intent.category)]
+        last_resort = not queue and ctx.config.target in LAST_RESORT_TARGETS
+        if last_resort:  # no fused API or equivalent rewrite: the last rung of the ladder, a regional compile
+            queue = [r.id for r in ctx.kb.list_recipes(category=LAST_RESORT_CATEGORY, target=ctx.config.target)]
+        queue = [r for r in queue if ctx.config.recipe_ids is None or r in ctx.config.recipe_ids]
+        ctx.say(f"intent {intent.category} at {', '.join(str(s) for s in intent.spans)}: {len(queue)} "
+                f"{'last-resort ' if last_resort else ''}recipe(s)")
         return {"node": "retrieval", "current_intent": data, "recipe_queue": queue, "candidate": None,
                 "review_feedback": None, "verdict": None}
     return {"node": "retrieval", "current_intent": None, "recipe_queue": [], "stop_reason": state.get("stop_reason") or "no intents left"}

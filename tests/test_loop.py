@@ -358,6 +358,9 @@ def test_review_decision_schema_rejects_what_the_loop_cannot_use():
             ReviewDecision.model_validate(bad)
 
 
+LAST_RESORT = "compile-regional"
+
+
 def _runtime(**config):
     base = {"repo": "/nonexistent", "run_id": "r"}
     return SimpleNamespace(context=SimpleNamespace(config=RunConfig(**{**base, **config})))
@@ -387,6 +390,24 @@ def test_route_after_decide():
     assert nodes.stop_reason(short, _runtime(budget_s=600).context.config) == "time budget: not enough left for another candidate"
     assert nodes.route_after_decide({**short, "started_at": now - 500}, _runtime(budget_s=600)) == "coder"
     assert nodes.route_after_decide({**after_accept, "low_gain_rounds": 2}, _runtime(low_gain_rounds_to_stop=2)) == "report"
+
+
+@pytest.mark.parametrize("target, expected", [("cpu", ["compile-regional"]), ("npu", ["rope-npu-rotary-mul"])])
+def test_retrieval_falls_back_to_a_regional_compile_only_without_a_recipe(tmp_path, target, expected):
+    rope = {"id": "rope-1", "category": "rope", "spans": [{"file": "model.py", "line_start": 51, "line_end": 52}],
+            "confidence": 0.9, "source": "runtime"}
+    rms = {**rope, "id": "rmsnorm-1", "category": "rmsnorm"}
+    config = RunConfig(repo=str(tmp_path), run_id="r", target=target, kb_dir=str(tmp_path / "kb"))
+    with KnowledgeBase(config.kb_dir) as kb:
+        runtime = SimpleNamespace(context=SimpleNamespace(config=config, kb=kb, say=lambda message: None))
+        update = nodes.retrieval({"intents": [rope], "done_intents": []}, runtime)
+        assert update["current_intent"]["id"] == "rope-1" and update["recipe_queue"] == expected
+        # an intent with a recipe of its own gets no last resort
+        own = nodes.retrieval({"intents": [rms], "done_intents": []}, runtime)["recipe_queue"]
+        assert own and LAST_RESORT not in own
+        # the run's recipe filter applies to the last resort too
+        runtime.context.config = config.model_copy(update={"recipe_ids": ["gelu-tanh-functional"]})
+        assert nodes.retrieval({"intents": [rope], "done_intents": []}, runtime)["recipe_queue"] == []
 
 
 def test_routers_after_retrieval_coder_review():
