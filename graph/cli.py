@@ -217,7 +217,7 @@ def _print_result(root: Path, result: RunResult) -> None:
 
 def _register() -> None:
     """The loop's commands and the sub-apps live in their own modules; mount them here."""
-    from trainbridge.graph import cli_loop
+    from trainbridge.graph import cli_loop, cli_server
     from trainbridge.knowledge.cli import kb_app
     from trainbridge.tools.porting_cli import port_command
 
@@ -228,6 +228,7 @@ def _register() -> None:
     app.command("report")(cli_loop.report_cmd)
     app.command("demo")(cli_loop.demo)
     app.command("verify")(cli_loop.verify)
+    app.command("serve")(cli_server.serve)
     app.command("port")(port_command)
     app.add_typer(kb_app, name="kb", help="The rewrite knowledge base: list, show, search, add, import, export, stats.")
 

@@ -71,10 +71,12 @@ def run(
     min_gain: float = typer.Option(0.01, help="Smallest step-time gain to accept (0.01 = 1%)."),
     rounds: int = typer.Option(10, help="Interleaved A/B rounds per candidate in the gate."),
     category: Optional[list[str]] = typer.Option(None, "--category", help="Only intents of this category (repeatable)."),
+    server: Optional[str] = typer.Option(None, "--server", help="Submit the run to the LangGraph server at this URL (`trainbridge serve`) instead of running it here; REPO and the other paths are read on the server's machine. Ctrl-C detaches, the run goes on."),
 ) -> None:
     """Run the whole loop on a repository: analyse, rewrite, gate, keep what is faster; leave a branch and a report.
 
     Checkpointed after every step: if the process dies, `trainbridge resume <run-id>` continues without duplicate commits or lost verdicts.
+    With --server URL the run is a thread on that LangGraph server: answer its reviews with `trainbridge review --server URL <run-id>`.
     """
     from trainbridge.graph.app import RunError, start_run
     from trainbridge.graph.state import RunConfig
@@ -89,6 +91,11 @@ def run(
     except ValueError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
+    if server:
+        from trainbridge.graph.cli_server import run_on_server
+
+        run_on_server(server, config)
+        return
     _say(f"run {name} on {repo} (target {target}); resume with: trainbridge resume {name}")
     try:
         outcome = start_run(config, say=_say)
@@ -128,15 +135,16 @@ def resume(run_id: str = typer.Argument(..., help="The run to continue.")) -> No
 
 
 def status(run_id: Optional[str] = typer.Argument(None, help="A run (default: list all runs).")) -> None:
-    """Where a run stands: current node, intents done/left, candidates, accepted speedup so far."""
+    """Where a run stands: current node, intents done/left, candidates, accepted speedup so far (a served run: asked of its server)."""
     from trainbridge.graph.app import RunError, run_status, summary_line
+    from trainbridge.graph.cli_server import served_run_status
     from trainbridge.graph.state import runs_root
 
     if run_id is None:
         runs = sorted(p.name for p in runs_root().glob("*") if (p / "run.json").is_file())
         for name in runs:
             try:
-                info = run_status(name)
+                info = served_run_status(name) or run_status(name)
                 state = "waiting for review" if info["waiting_for_review"] else ("finished" if info["finished"] else "stopped/running")
                 print(f"{name}: {state}; {summary_line(info['state'])}")
             except Exception as exc:  # one broken run must not hide the others
@@ -145,7 +153,7 @@ def status(run_id: Optional[str] = typer.Argument(None, help="A run (default: li
             print(f"no runs under {runs_root()}")
         return
     try:
-        info = run_status(run_id)
+        info = served_run_status(run_id) or run_status(run_id)
     except RunError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
@@ -156,18 +164,28 @@ def status(run_id: Optional[str] = typer.Argument(None, help="A run (default: li
     for record in accepted:
         speedup /= record.get("ratio") or 1.0
     print(f"run {run_id}: {'waiting for review' if info['waiting_for_review'] else ('finished' if info['finished'] else 'next: ' + ', '.join(info['next']))}")
+    if info.get("server"):
+        print(f"served by the LangGraph server at {info['server']} (thread {info['thread_id']})")
     print(summary_line(state))
     if baseline:
         print(f"baseline step {baseline * 1000:.1f} ms; accepted commits' gate ratios multiply to {speedup:.3f}x (measured per commit)")
 
 
 def review_cmd(
-    run_id: str = typer.Argument(..., help="A run paused for review."),
+    run_id: str = typer.Argument(..., help="A run paused for review (with --server: its run id or its server thread id)."),
     action: Optional[str] = typer.Option(None, "--action", help="approve, reject or edit (default: ask)."),
     reason: Optional[str] = typer.Option(None, "--reason", help="Why it is rejected (reaches the coder and the knowledge base)."),
     patch_file: Optional[Path] = typer.Option(None, "--patch", help="For edit: the replacement patch (default: open $EDITOR on the current one)."),
+    server: Optional[str] = typer.Option(None, "--server", help="The run is on the LangGraph server at this URL (`trainbridge run --server`, Studio)."),
 ) -> None:
-    """Show the patch a paused run waits on, and approve, reject (with a reason) or edit it; then the run continues."""
+    """Show the patch a paused run waits on, and approve, reject (with a reason) or edit it; then the run continues.
+
+    The same review, payload and answer whether the run is local or on a LangGraph server (--server URL)."""
+    if server:
+        from trainbridge.graph.cli_server import review_on_server
+
+        review_on_server(server, run_id, action, reason, patch_file)
+        return
     from trainbridge.graph.app import RunError, answer_review, run_status
 
     try:
@@ -179,14 +197,41 @@ def review_cmd(
     if payload is None:
         _error(f"run {run_id} is not waiting for a review")
         raise typer.Exit(2)
+    show_review(payload)
+    decision = ask_decision(payload, action, reason, patch_file)
+    try:
+        outcome = answer_review(run_id, decision, say=_say)
+    except (RunError, ValueError) as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
+    _report_outcome(outcome)
+
+
+def show_review(payload: dict) -> None:
+    """The review payload (graph/review.py) as a person reads it: the patch, its intent and evidence, the figures so far."""
     intent = payload.get("intent") or {}
     where = ", ".join(f"{s['file']}:{s['line_start']}" for s in intent.get("spans") or [])
     console.print(f"candidate {payload['candidate']} — recipe {payload.get('recipe_id')} — intent {intent.get('category')} at {where}",
                   soft_wrap=True)
     console.print(f"evidence: {json.dumps(intent.get('evidence'), default=str)}", soft_wrap=True, highlight=False)
+    measured = payload.get("measured") or {}
+    if measured.get("baseline_step_s"):
+        judged = [v for v in measured.get("verdicts") or [] if v.get("candidate")]
+        console.print(f"so far: baseline step {measured['baseline_step_s'] * 1000:.1f} ms; {len(judged)} candidate(s) judged, "
+                      f"{len(measured.get('accepted') or [])} accepted (gate ratios multiply to {measured.get('accepted_ratio_product', 1.0):.3f})",
+                      soft_wrap=True, highlight=False)
+        for verdict in judged:
+            ratio = f", ratio {verdict['ratio']:.3f}" if verdict.get("ratio") else ""
+            console.print(f"  {verdict['candidate']}: {verdict['reason']}{ratio}", soft_wrap=True, highlight=False)
     Console().print(Syntax(payload.get("diff") or "", "diff"))
+
+
+def ask_decision(payload: dict, action: Optional[str], reason: Optional[str], patch_file: Optional[Path]) -> dict:
+    """The resume value (review schema) from the options, asking for what is missing."""
+    from trainbridge.graph.review import REVIEW_SCHEMA_VERSION
+
     action = action or typer.prompt("approve, reject or edit", type=str)
-    decision: dict = {"schema": 1, "action": action}
+    decision: dict = {"schema": REVIEW_SCHEMA_VERSION, "action": action}
     if action == "reject":
         decision["reason"] = reason or typer.prompt("reason")
     elif action == "edit":
@@ -194,12 +239,7 @@ def review_cmd(
     elif action != "approve":
         _error("action must be approve, reject or edit")
         raise typer.Exit(2)
-    try:
-        outcome = answer_review(run_id, decision, say=_say)
-    except (RunError, ValueError) as exc:
-        _error(str(exc))
-        raise typer.Exit(2) from None
-    _report_outcome(outcome)
+    return decision
 
 
 def _edit_in_editor(diff: str) -> str:
@@ -216,9 +256,10 @@ def _edit_in_editor(diff: str) -> str:
 def report_cmd(run_id: str = typer.Argument(..., help="The run.")) -> None:
     """Print where a finished run's report is, and its markdown."""
     from trainbridge.graph.app import RunError, run_status
+    from trainbridge.graph.cli_server import served_run_status
 
     try:
-        info = run_status(run_id)
+        info = served_run_status(run_id) or run_status(run_id)
     except RunError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None

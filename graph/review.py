@@ -1,8 +1,26 @@
 """Human review at patch time: the interrupt's payload and the resume value, one versioned schema.
 
-The CLI (`trainbridge review`) and any LangGraph client send the same resume value:
+The run pauses in its `review` node with `interrupt(payload)`. A LangGraph client sees the payload as
+the thread's `__interrupt__` value (`trainbridge review`, in process or `--server URL`, shows the same):
+
+- ``schema`` (1), ``kind`` ("trainbridge.review"), ``run_id``;
+- the patch: ``candidate`` (its name), ``recipe_id`` (None for an LLM patch), ``diff`` (unified, against
+  the run head), ``files``;
+- the intent it serves: ``intent`` = {id, category, spans, evidence, estimated_saving_us, estimate_basis};
+- the figures measured so far: ``measured`` = {baseline_step_s, reference_step_s, eager_ops_before,
+  eager_ops_now, candidates_tried, verdicts: [{candidate, recipe_id, category, accepted, reason,
+  message, ratio, ratio_ci}], accepted: [{candidate, recipe_id, ratio, sha}], accepted_ratio_product}
+  (ratio = candidate step / run-head step from the gate; below 1 is faster). ``baseline_step_s`` and
+  ``accepted_so_far`` also stay at the top level, as in the first payloads of this version;
+- ``respond_with``: the three resume values below.
+
+The CLI and any LangGraph client (``command={"resume": value}``) send the same resume value:
 ``{"schema": 1, "action": "approve"}``, ``{"schema": 1, "action": "reject", "reason": "..."}`` or
 ``{"schema": 1, "action": "edit", "patch": "<unified diff against the run head>"}``.
+
+Versioning: REVIEW_SCHEMA_VERSION changes when a field is removed or changes meaning, or when the
+resume value needs something new; then a resume value of another version is refused with a message
+(never misread). New payload fields are added within a version: readers ignore keys they do not know.
 """
 
 from __future__ import annotations
@@ -53,9 +71,29 @@ def review_payload(state: dict[str, Any]) -> dict[str, Any]:
                    "estimate_basis": intent.get("estimate_basis")},
         "baseline_step_s": state.get("baseline_step_s"),
         "accepted_so_far": len(state.get("accepted") or []),
+        "measured": measured_so_far(state),
         "respond_with": {"approve": {"schema": 1, "action": "approve"},
                          "reject": {"schema": 1, "action": "reject", "reason": "..."},
                          "edit": {"schema": 1, "action": "edit", "patch": "unified diff against the run head"}},
+    }
+
+
+def measured_so_far(state: dict[str, Any]) -> dict[str, Any]:
+    """The run's measurements up to this patch: baseline, every verdict with its gate ratio, the accepted commits."""
+    accepted = state.get("accepted") or []
+    product = 1.0
+    for record in accepted:
+        product *= record.get("ratio") or 1.0
+    return {
+        "baseline_step_s": state.get("baseline_step_s"),
+        "reference_step_s": state.get("reference_step_s"),
+        "eager_ops_before": state.get("eager_ops_before"),
+        "eager_ops_now": state.get("eager_ops_now"),
+        "candidates_tried": state.get("candidates_tried") or 0,
+        "verdicts": [{key: v.get(key) for key in ("candidate", "recipe_id", "category", "accepted", "reason", "message", "ratio", "ratio_ci")}
+                     for v in state.get("verdicts") or []],
+        "accepted": [{key: a.get(key) for key in ("candidate", "recipe_id", "ratio", "sha")} for a in accepted],
+        "accepted_ratio_product": product,
     }
 
 
