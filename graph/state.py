@@ -11,9 +11,10 @@ import operator
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypedDict
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing_extensions import TypedDict  # pydantic (the LangGraph server's schema export) needs it on Python < 3.12
 
 RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

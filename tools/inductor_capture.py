@@ -154,8 +154,9 @@ def _timed_steps(compiled, optimizer, batch, train_step, *, first: int, count: i
     """Wall time of `count` more compiled steps (batches first, first+1, ...), each ended by `.item()`."""
     times = []
     for i in range(first, first + count):
+        data = batch(i)  # made before the clock starts, like the harness's measured steps
         t0 = time.perf_counter()
-        _as_float(train_step(compiled, optimizer, batch(i)))
+        _as_float(train_step(compiled, optimizer, data))
         times.append(time.perf_counter() - t0)
     return times
 
