@@ -13,6 +13,7 @@ from typing import Any
 from speedup import BRANCH, BRANCH_COMPILE, COMPILE, EAGER, VARIANTS
 
 NA = "n/a"
+PHASE_ORDER = ("static_scan", "target_profile", "reference", "advisor_rules", "align")  # the analyst's, in pipeline order
 
 
 def _ms(seconds: float | None) -> str:
@@ -93,6 +94,12 @@ def _speedup_notes(section: dict[str, Any]) -> list[str]:
         build = (w.get("measured") or {}).get("build") or {}
         first = [f"{n} {b['warmup_times_s'][0]:.0f}" for n in (COMPILE, BRANCH_COMPILE) if (b := build.get(n)) and b.get("warmup_times_s")]
         lines.append(f"| {w['workload']} | {goals['tb_le_compile']} | {goals['tb_compile_faster']} | {', '.join(first) or NA} |")
+    judged = [goal_status(w) for w in section.get("workloads", []) if w.get("summary")]
+    if judged:
+        met_1 = sum(g["tb_le_compile"].startswith("met") for g in judged)
+        met_2 = sum(g["tb_compile_faster"] == "met" for g in judged)
+        lines.append(f"\nGoals met: TrainBridge's branch at least as fast as torch.compile of the original on {met_1} of "
+                     f"{len(judged)} workload(s); TrainBridge + compile significantly faster than compile alone on {met_2} of {len(judged)}.")
     for w in section.get("workloads", []):
         measured = w.get("measured") or {}
         if measured.get("recompiled_during_timing"):
@@ -162,7 +169,8 @@ def calibration_table(section: dict[str, Any]) -> list[str]:
 
 def analysis_table(section: dict[str, Any]) -> list[str]:
     rows = section.get("rows") or []
-    phases = sorted({k for r in rows for k in r["phases"]})
+    seen = {k for r in rows for k in r["phases"]}
+    phases = [p for p in PHASE_ORDER if p in seen] + sorted(seen - set(PHASE_ORDER))
     lines = ["| layers | total s | " + " | ".join(f"{p} s" for p in phases) + " | intents | eager ops / step |",
              "|---:|---:|" + "---:|" * len(phases) + "---:|---:|"]
     for r in rows:
@@ -172,6 +180,8 @@ def analysis_table(section: dict[str, Any]) -> list[str]:
     if "total" in fits:
         lines.append("")
         for name, fit in fits.items():
+            if name != "total" and max((r["phases"].get(name, 0.0) for r in rows), default=0.0) < 1.0:
+                continue  # phases under a second at every depth: their fit says nothing
             lines.append(f"- {name}: {fit['verdict']}; fit {fit['intercept']:.1f} s + {fit['slope']:.2f} s/layer (R² {fit['r2']:.3f}); "
                          "per-layer increments " + ", ".join(f"{x:.2f}" for x in fit["per_layer_increments_s"]) + " s")
     return lines
@@ -187,7 +197,7 @@ def _section(title: str, section: dict[str, Any] | None, body) -> list[str]:
     if section.get("status") == "ok" or section.get("workloads") or section.get("rows") or section.get("summary_independent"):
         lines += body(section)
     if section.get("wall_s") is not None:
-        lines += ["", f"({section['wall_s']:.0f} s)"]
+        lines += ["", f"(section wall time {section['wall_s']:.0f} s)"]
     return lines
 
 
@@ -226,7 +236,7 @@ def write_charts(record: dict[str, Any], out_stem: Path) -> list[Path]:
     speed = (record.get("sections") or {}).get("speedup") or {}
     workloads = [w for w in speed.get("workloads", []) if w.get("summary")]
     if workloads:
-        fig, ax = plt.subplots(figsize=(2.2 + 2.0 * len(workloads), 4))
+        fig, ax = plt.subplots(figsize=(max(6.0, 2.2 + 2.0 * len(workloads)), 4.2))
         width = 0.8 / len(VARIANTS)
         for k, variant in enumerate(VARIANTS):
             heights, errors = [], [[], []]
@@ -237,11 +247,12 @@ def write_charts(record: dict[str, Any], out_stem: Path) -> list[Path]:
                 errors[0].append(max(0.0, r["ratio"] - r["ci"][0]))
                 errors[1].append(max(0.0, r["ci"][1] - r["ratio"]))
             xs = [i + (k - (len(VARIANTS) - 1) / 2) * width for i in range(len(workloads))]
-            ax.bar(xs, heights, width, yerr=errors, capsize=3, label=variant)
+            bars = ax.bar(xs, heights, width, yerr=errors, capsize=3, label=variant)
+            ax.bar_label(bars, labels=[f"{h:.2f}" for h in heights], fontsize=7, padding=2)
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xticks(range(len(workloads)), [w["workload"] for w in workloads])
         ax.set_ylabel("step time / eager original (lower is faster)")
-        ax.set_title(f"TrainBridge vs torch.compile, CPU ({record.get('date')})")
+        ax.set_title(f"Step time relative to eager, CPU, {record.get('date')}", fontsize=10)
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = out_stem.with_suffix(".png")
@@ -254,7 +265,7 @@ def write_charts(record: dict[str, Any], out_stem: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         depths = [r["depth"] for r in rows]
         ax.plot(depths, [r["wall_s"] for r in rows], "o-", label="total")
-        for phase in sorted({k for r in rows for k in r["phases"]}):
+        for phase in PHASE_ORDER:
             values = [r["phases"].get(phase, 0.0) for r in rows]
             if max(values) >= 1.0:
                 ax.plot(depths, values, ".--", label=phase)

@@ -7,7 +7,6 @@ import importlib
 import itertools
 import json
 import re
-import shutil
 import sys
 from collections import Counter
 from pathlib import Path
@@ -26,8 +25,6 @@ def bench(name: str):
 
 
 def planted(tmp: Path, slowdown: float):
-    from trainbridge.sandbox.workload import load_workload
-
     return bench("gate_calibration").planted_variant(MLP, tmp / f"slow_{slowdown:g}", slowdown)
 
 
