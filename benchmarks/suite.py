@@ -46,7 +46,7 @@ if str(HERE) not in sys.path:  # run as a script: the sibling modules (benchmark
 
 SECTIONS = ("speedup", "loop_cost", "calibration", "kb_latency", "analysis_scaling")
 EXAMPLES = ("llama_pretrain", "gpt2_pretrain", "resnet_classify", "clip_pretrain")
-FULL = dict(workloads=list(EXAMPLES), run_budget_s=210.0, max_candidates=4, gate_rounds=8, run_reference=True,
+FULL = dict(workloads=list(EXAMPLES), run_budget_s=180.0, max_candidates=4, gate_rounds=8, run_reference=True,
             rounds=8, steps=8, calibration_gates=2, calibration_rounds=8, calibration_steps=20,
             kb_sizes=[10_000, 100_000], kb_queries=40, depths=[2, 4, 8, 16])
 QUICK = dict(workloads=["llama_pretrain"], run_budget_s=60.0, max_candidates=1, gate_rounds=6, run_reference=False,
@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny settings to check the machinery (one workload, 2 rounds, ...)")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections (default all: {','.join(SECTIONS)})")
     parser.add_argument("--workloads", nargs="+", choices=EXAMPLES, help="bundled examples for speedup/loop_cost")
-    parser.add_argument("--run-budget-s", type=float, help="wall-clock budget of each `trainbridge run` (full: 210)")
+    parser.add_argument("--run-budget-s", type=float, help="wall-clock budget of each `trainbridge run` (full: 180)")
     parser.add_argument("--max-candidates", type=int, help="candidate limit of each run (full: 4)")
     parser.add_argument("--gate-rounds", type=int, help="gate rounds per candidate in the runs, and per calibration gate run (full: 8)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds of the speed measurement (full: 8)")
