@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainbridge.agents.profiler.stats import SpeedOutcome, decide_speed
+from trainbridge.agents.profiler.stats import SpeedOutcome, decide_speed, gate_decision
 from trainbridge.sandbox.runner import run_workload
 from trainbridge.sandbox.workload import Workload, load_workload
 
@@ -86,15 +86,23 @@ def conditions(slowdowns: list[float]) -> list[tuple[str, str, str, float]]:
     return out
 
 
-def decide_blocks(rounds: list[dict[str, list[float]]], block: int, args, slowdowns: list[float], sliding: bool) -> dict[str, list[dict]]:
+def decide_blocks(rounds: list[dict[str, list[float]]], block: int, args, slowdowns: list[float], sliding: bool,
+                  first: int | None = None) -> dict[str, list[dict]]:
+    """Decide every block of `block` rounds per condition. With `first`, exactly as `run_gate` does:
+    a look after `first` rounds and, only when that look wants more rounds, a second over the block."""
     starts = range(0, len(rounds) - block + 1) if sliding else range(0, len(rounds) - block + 1, block)
     decisions: dict[str, list[dict]] = {}
     for label, base, cand, truth in conditions(slowdowns):
         for start in starts:
             window = rounds[start:start + block]
-            d = decide_speed([r[base] for r in window], [r[cand] for r in window], args.min_gain, args.confidence, seed=start)
+            base_rounds, cand_rounds = [r[base] for r in window], [r[cand] for r in window]
+            if first is None:
+                d = decide_speed(base_rounds, cand_rounds, args.min_gain, args.confidence, seed=start)
+            else:
+                d = gate_decision(base_rounds, cand_rounds, first=first, min_gain=args.min_gain, confidence=args.confidence)
             decisions.setdefault(label, []).append({
                 "start": start, "outcome": d.outcome.value, "ratio": d.ratio, "ci": [d.ci_low, d.ci_high], "truth": truth,
+                "rounds_used": d.n, "second_look": first is not None and d.n > first,
             })
     return decisions
 
@@ -113,18 +121,20 @@ def summarise(decisions: dict[str, list[dict]]) -> list[dict]:
             "not_significant": count["not_significant"] / n if n else None,
             "median_ratio": statistics.median(i["ratio"] for i in items) if n else None,
             "median_ci_halfwidth": statistics.median((i["ci"][1] - i["ci"][0]) / 2 for i in items) if n else None,
+            "second_looks": sum(bool(i.get("second_look")) for i in items) / n if n else None,
         })
     return rows
 
 
 def table(rows: list[dict], title: str) -> str:
-    lines = [f"### {title}", "", "| condition | true ratio | gate runs | accepted | slower | not significant | median ratio | median CI half-width |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"### {title}", "", "| condition | true ratio | gate runs | accepted | slower | not significant | second look | median ratio | median CI half-width |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["gate_runs"]:
             continue
         lines.append(f"| {r['condition']} | {r['true_ratio']:.3f} | {r['gate_runs']} | {100 * r['accepted']:.0f}% | "
-                     f"{100 * r['slower']:.0f}% | {100 * r['not_significant']:.0f}% | {r['median_ratio']:.3f} | "
+                     f"{100 * r['slower']:.0f}% | {100 * r['not_significant']:.0f}% | {100 * (r.get('second_looks') or 0):.0f}% | "
+                     f"{r['median_ratio']:.3f} | "
                      f"±{100 * r['median_ci_halfwidth']:.1f}% |")
     return "\n".join(lines)
 
@@ -133,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     parser.add_argument("--gates", type=int, default=8, help="independent gate runs per condition")
-    parser.add_argument("--rounds", type=int, default=10, help="paired rounds per gate run")
+    parser.add_argument("--rounds", type=int, default=10, help="paired rounds of a gate run's first look")
+    parser.add_argument("--max-rounds", type=int, default=None,
+                        help="rounds of the second look, taken when the first is promising but inconclusive "
+                             "(default: twice --rounds, as `trainbridge run`); each independent gate run measures this many")
     parser.add_argument("--steps-per-round", type=int, default=20)
     parser.add_argument("--slowdowns", type=float, nargs="+", default=[0.02, 0.05, 0.10])
     parser.add_argument("--min-gain", type=float, default=0.01)
@@ -142,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "gate_calibration.json")
     parser.add_argument("--from-json", type=Path, default=None, help="re-decide the samples saved in this JSON; no measuring")
     args = parser.parse_args(argv)
+    args.max_rounds = args.max_rounds or 2 * args.rounds
+    if args.max_rounds < args.rounds:
+        parser.error(f"--max-rounds ({args.max_rounds}) must be at least --rounds ({args.rounds})")
     if args.from_json:
         record = json.loads(args.from_json.read_text(encoding="utf-8"))
         report(record, args, record["config"]["slowdowns"])
@@ -155,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(args) -> dict:
     source = load_workload(args.workload).root
-    total = args.gates * args.rounds
+    total = args.gates * args.max_rounds
     rng = random.Random()
     record = {
         "benchmark": "gate_calibration",
@@ -188,14 +204,16 @@ def measure(args) -> dict:
 
 def report(record: dict, args, slowdowns: list[float]) -> None:
     rounds = [r["samples"] for r in record["rounds"]]
-    block = args.rounds
-    record["summary_independent"] = summarise(decide_blocks(rounds, block, args, slowdowns, sliding=False))
-    record["summary_sliding"] = summarise(decide_blocks(rounds, block, args, slowdowns, sliding=True))
+    first, block = args.rounds, args.max_rounds
+    record["decision"] = {"first_look_rounds": first, "max_rounds": block}
+    record["summary_independent"] = summarise(decide_blocks(rounds, block, args, slowdowns, sliding=False, first=first))
+    record["summary_sliding"] = summarise(decide_blocks(rounds, block, args, slowdowns, sliding=True, first=first))
     record["summary_pooled"] = summarise(decide_blocks(rounds, len(rounds), args, slowdowns, sliding=False))
     steps = record["config"]["steps_per_round"]
-    print(table(record["summary_independent"], f"{len(rounds) // block} independent gate runs of {block} rounds x {steps} steps"))
+    gate = f"{first} rounds, a second look over {block} when promising" if block > first else f"{first} rounds"
+    print(table(record["summary_independent"], f"{len(rounds) // block} independent gate runs ({gate}) x {steps} steps"))
     print()
-    print(table(record["summary_sliding"], f"sliding windows of {block} rounds (overlapping, not independent)"))
+    print(table(record["summary_sliding"], f"sliding windows of {block} rounds ({gate}; overlapping, not independent)"))
     print()
     print(table(record["summary_pooled"], f"all {len(rounds)} rounds pooled as one gate run"))
     machine = record["machine"]

@@ -153,16 +153,20 @@ def calibration_table(section: dict[str, Any]) -> list[str]:
     rows = section.get("summary_independent") or []
     sliding = {r["condition"]: r for r in section.get("summary_sliding") or []}
     config = section.get("config") or {}
-    lines = [f"{config.get('gates', '?')} independent gate runs of {config.get('rounds', '?')} rounds x "
-             f"{config.get('steps_per_round', '?')} steps per condition (fresh sandbox child per program and round); "
-             "in brackets the rate over all overlapping windows of that many rounds.", "",
-             "| condition | true ratio | accepted | called slower | not significant | median ratio | median CI half-width |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    first = config.get("rounds", "?")
+    most = config.get("max_rounds") or first
+    looks = f"{first} rounds, a second look over {most} when the first is promising but inconclusive, as `run_gate` decides" \
+        if most != first else f"{first} rounds"
+    lines = [f"{config.get('gates', '?')} independent gate runs ({looks}) of {config.get('steps_per_round', '?')} steps "
+             "per round and condition (fresh sandbox child per program and round); in brackets the rate over all "
+             "overlapping windows of that many rounds.", "",
+             "| condition | true ratio | accepted | called slower | not significant | second look | median ratio | median CI half-width |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         s = sliding.get(r["condition"], {})
         pct = lambda key: f"{100 * r[key]:.0f}%" + (f" [{100 * s[key]:.0f}% of {s['gate_runs']}]" if s.get(key) is not None else "")  # noqa: E731
         lines.append(f"| {r['condition']} | {r['true_ratio']:.3f} | {pct('accepted')} | {pct('slower')} | {pct('not_significant')} | "
-                     f"{r['median_ratio']:.3f} | ±{100 * r['median_ci_halfwidth']:.1f}% |")
+                     f"{100 * (r.get('second_looks') or 0):.0f}% | {r['median_ratio']:.3f} | ±{100 * r['median_ci_halfwidth']:.1f}% |")
     lines += ["", "A/A: 'accepted' is the false-accept rate (target < 5%). Planted slowdowns: 'called slower' is the power."]
     return lines
 

@@ -103,7 +103,8 @@ def estimate_s(settings: dict[str, Any], sections: list[str]) -> dict[str, float
     if "speedup" in sections:
         out["speedup"] = n * (60 + settings["rounds"] * 4 * (settings["steps"] + 1) * 0.15)
     if "calibration" in sections:
-        out["calibration"] = settings["calibration_gates"] * settings["calibration_rounds"] * 5 * 4.0
+        # each independent gate run measures the second look's rounds too (twice the first look's)
+        out["calibration"] = settings["calibration_gates"] * 2 * settings["calibration_rounds"] * 5 * 4.0
     if "kb_latency" in sections:
         out["kb_latency"] = 2 * (30 + max(settings["kb_sizes"]) * 0.0024)
     if "analysis_scaling" in sections:

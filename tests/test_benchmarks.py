@@ -263,3 +263,26 @@ def test_suite_cli_settings_and_section_names():
     assert sum(suite.estimate_s(full.settings, full.sections).values()) < 45 * 60
     with pytest.raises(SystemExit):
         suite.parse_args(["--only", "speed"])
+
+
+# --- gate calibration decides as the gate does -------------------------------------------------------
+
+
+def test_calibration_blocks_are_decided_with_the_gates_two_looks():
+    from types import SimpleNamespace
+
+    calibration = bench("gate_calibration")
+    # 20 rounds: the 5%-gain condition (slow_0.05 as baseline, base as candidate) is 3% faster in the first
+    # 10 rounds but three of them go the other way (inconclusive, promising); the next 10 are clean
+    cand = [0.097] * 5 + [0.101] * 3 + [0.097] * 2 + [0.097] * 10
+    rounds = [{"base": [c], "base_again": [0.1], "slow_0.02": [0.1], "slow_0.05": [0.1], "slow_0.1": [0.2]} for c in cand]
+    args = SimpleNamespace(min_gain=0.01, confidence=0.95)
+    two = calibration.decide_blocks(rounds, 20, args, [0.02, 0.05, 0.1], sliding=False, first=10)
+    gain = two["-4.8% (5% gain)"][0]
+    assert gain["rounds_used"] == 20 and gain["second_look"] and gain["outcome"] == "accepted"
+    slower = two["+10% slower"][0]  # decided at the first look: the rest is not read
+    assert slower["rounds_used"] == 10 and not slower["second_look"] and slower["outcome"] == "slower"
+    one = calibration.decide_blocks(rounds[:10], 10, args, [0.02, 0.05, 0.1], sliding=False)
+    assert one["-4.8% (5% gain)"][0]["outcome"] == "not_significant"
+    rows = {r["condition"]: r for r in calibration.summarise(two)}
+    assert rows["-4.8% (5% gain)"]["second_looks"] == 1.0 and rows["+10% slower"]["second_looks"] == 0.0
