@@ -18,6 +18,7 @@ from trainbridge.agents.coder.candidate import Candidate, CoderRefusal, make_can
 from trainbridge.graph import npu_pending
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.landed import added_lines, is_own_rewrite
+from trainbridge.graph.views import detached_view, remove_view
 from trainbridge.graph.review import REVIEW_SCHEMA_VERSION, ReviewDecision, review_payload
 from trainbridge.graph.state import RunState
 from trainbridge.knowledge.schema import Outcome
@@ -322,12 +323,15 @@ def route_after_decide(state: RunState, runtime: Runtime[RunContext]) -> Literal
 
 
 def budget_allows_another(state: RunState, config) -> bool:
-    """Time left for one more candidate as long as the typical one so far (the median gate time, plus
-    its coder and decide steps), so a run stops near its budget rather than one gate past it."""
+    """Time left for one more candidate as long as the typical one so far (the median gate time), and
+    then for the final comparison (its children counted against a gate's), so a run ends near its
+    budget rather than one gate past it."""
     elapsed = time.time() - (state.get("started_at") or time.time())
     gates = sorted(t["wall_s"] for t in state.get("phase_times") or [] if t["node"] == "profiler")
     typical = gates[len(gates) // 2] if gates else 0.0
-    return elapsed + typical <= config.budget_s
+    arms = 3 if config.compile_reference else 2
+    final = typical * (arms * config.final_rounds) / (2 * config.gate_rounds)
+    return elapsed + typical + final <= config.budget_s
 
 
 def stop_reason(state: RunState, config) -> str:
@@ -349,23 +353,45 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
 
     ctx = runtime.context
     workspace = ctx.workspace(state["base_sha"])
-    final = None
+    final, comparison, parts = None, None, {}
     if state.get("accepted"):
-        ctx.say("measuring the final branch head")
         started = time.monotonic()
-        result = _measure(load_workload(workspace.worktree), ctx)
-        final = result.median_step_s() if result.failure is None else None
-        parts = {"final_measure": round(time.monotonic() - started, 3)}
-    else:
-        parts = {}
+        if ctx.config.final_rounds > 0:
+            comparison = _final_comparison(ctx, workspace, state["base_sha"])
+        else:
+            ctx.say("measuring the final branch head")
+            result = _measure(load_workload(workspace.worktree), ctx)
+            final = result.median_step_s() if result.failure is None else None
+        parts = {"final_comparison" if comparison else "final_measure": round(time.monotonic() - started, 3)}
     reason = stop_reason(state, ctx.config)
     paths = write_report(state, ctx.config, ctx.paths.report, final_step_s=final, stop_reason=reason,
-                         emulated_npu=ctx.config.target == "npu" and npu_pending.emulated_npu(ctx), kb_stats=_kb_stats(ctx))
-    view = workspace.root / "pending-view"
-    if view.exists():
-        npu_pending.git(workspace.repo.root, "worktree", "remove", "--force", str(view))
+                         emulated_npu=ctx.config.target == "npu" and npu_pending.emulated_npu(ctx), kb_stats=_kb_stats(ctx),
+                         final_comparison=comparison)
+    remove_view(workspace, npu_pending.PENDING_VIEW)
     workspace.cleanup()
-    return {"node": "report", "stop_reason": reason, "report_paths": [str(p) for p in paths], PARTS_KEY: parts}
+    return {"node": "report", "stop_reason": reason, "report_paths": [str(p) for p in paths], "final_comparison": comparison,
+            PARTS_KEY: parts}
+
+
+def _final_comparison(ctx: RunContext, workspace, base_sha: str) -> dict[str, Any] | None:
+    """The final head against the original (and torch.compile of it), interleaved; None when it cannot run."""
+    from trainbridge.agents.profiler.final import FinalComparisonError, compare_final
+
+    arms = "original, final head" + (", torch.compile of the original" if ctx.config.compile_reference else "")
+    ctx.say(f"final comparison: {arms}, {ctx.config.final_rounds} interleaved rounds")
+    original = detached_view(workspace, BASE_VIEW, base_sha)
+    try:
+        result = compare_final(load_workload(original), load_workload(workspace.worktree), backend=ctx.config.target,
+                               rounds=ctx.config.final_rounds, with_compile=ctx.config.compile_reference)
+    except FinalComparisonError as exc:
+        ctx.say(f"no final comparison: {exc}")
+        return None
+    finally:
+        remove_view(workspace, BASE_VIEW)
+    return result.model_dump(mode="json")
+
+
+BASE_VIEW = "base-view"
 
 
 def _kb_stats(ctx: RunContext) -> dict[str, Any] | None:

@@ -20,6 +20,7 @@ def emulated_npu(ctx: RunContext) -> bool:
 
 
 PORT_CANDIDATE = "port-npu"
+PENDING_VIEW = "pending-view"
 
 
 def port_to_npu(ctx: RunContext, workspace) -> dict[str, Any]:
@@ -81,9 +82,6 @@ def stack_on_pending(ctx: RunContext, workspace, candidate: Candidate) -> tuple[
 
 def pending_view(workspace, sha: str) -> Path:
     """A detached worktree at the pending head, for the analyst to read (never committed to)."""
-    path = workspace.root / "pending-view"
-    if (path / ".git").exists():
-        git(path, "checkout", "-q", "--detach", "-f", sha)
-    else:
-        git(workspace.repo.root, "worktree", "add", "-q", "--detach", str(path), sha)
-    return path
+    from trainbridge.graph.views import detached_view
+
+    return detached_view(workspace, PENDING_VIEW, sha)

@@ -39,6 +39,8 @@ class RunConfig(BaseModel):
     gate_max_rounds: int | None = Field(default=None, ge=2, description="rounds of the gate's second look, for promising but "
                                         "inconclusive candidates (None: twice gate_rounds)")
     low_gain_rounds_to_stop: int = Field(default=2, ge=1)
+    final_rounds: int = Field(default=6, ge=0, description="interleaved rounds of the end-to-end comparison (original, final "
+                              "head, torch.compile of the original) when something was accepted; 0: one plain measurement")
     categories: list[str] | None = Field(default=None, description="only these intent categories (None: all)")
     recipe_ids: list[str] | None = Field(default=None, description="only these recipes (None: all)")
     extra_recipe_dir: str | None = Field(default=None, description="more recipe files to load (e.g. a team's)")
@@ -81,6 +83,7 @@ class RunState(TypedDict, total=False):
     low_gain_rounds: int
     stop_reason: str | None
     report_paths: list[str]
+    final_comparison: dict[str, Any] | None  # agents.profiler.final.FinalComparison, written by the report node
     # wall time of every node run, in order: {"node", "wall_s", "parts": {phase: seconds}} (the loop's own cost)
     phase_times: Annotated[list[dict[str, Any]], operator.add]
 

@@ -94,11 +94,16 @@ def run_steps(parts: dict[str, Any], backend, warmup: int, steps: int, progress:
 
 
 def run_mode(mode: str, parts: dict[str, Any], backend, request: dict[str, Any], progress, result: dict[str, Any]) -> None:
-    """measure: timed steps; profile: every eager op of the step with its source line (EagerOpTable);
+    """measure: timed steps (with "compile": the model under torch.compile, compiled during the warm-up);
+    profile: every eager op of the step with its source line (EagerOpTable);
     capture: the step under torch.compile with Inductor's debug output written to evidence_dir;
     numerics: the gate's probe; npu_profile: torch_npu.profiler output in profile_dir, parsed (real NPU)."""
     warmup, steps = int(request["warmup_steps"]), int(request["steps"])
     if mode == "measure":
+        if request.get("compile"):  # torch.compile of the model as the user wrote it (the reference's speed)
+            import torch
+
+            parts = {**parts, "model": torch.compile(parts["model"])}
         run_steps(parts, backend, warmup, steps, progress, result)
     elif mode == "profile":
         from trainbridge.tools.eager_profile import record_eager_ops

@@ -388,7 +388,10 @@ def test_route_after_decide():
     short = {**rejected, "started_at": now - 540, "phase_times": gates}
     assert nodes.route_after_decide(short, _runtime(budget_s=600)) == "report"
     assert nodes.stop_reason(short, _runtime(budget_s=600).context.config) == "time budget: not enough left for another candidate"
-    assert nodes.route_after_decide({**short, "started_at": now - 500}, _runtime(budget_s=600)) == "coder"
+    assert nodes.route_after_decide({**short, "started_at": now - 500}, _runtime(budget_s=600, final_rounds=0)) == "coder"
+    # ... and time for the final comparison after it: 3 arms x 6 rounds against a gate's 2 x 8 children
+    assert nodes.route_after_decide({**short, "started_at": now - 500}, _runtime(budget_s=600)) == "report"
+    assert nodes.route_after_decide({**short, "started_at": now - 400}, _runtime(budget_s=600)) == "coder"
     assert nodes.route_after_decide({**after_accept, "low_gain_rounds": 2}, _runtime(low_gain_rounds_to_stop=2)) == "report"
 
 

@@ -52,3 +52,23 @@ def test_report_states_baseline_product_compile_reference_and_loop_cost(tmp_path
     assert "| analyst | 1 | 50.0 s | static 0.1 s, profile 3.9 s, reference 45.0 s |" in markdown
     assert "Candidates tried per accepted commit: 1.5." in markdown
     assert all(p.is_file() for p in paths)
+
+
+def test_report_headline_is_the_interleaved_final_comparison(tmp_path):
+    comparison = {
+        "rounds": 6, "confidence": 0.95, "median_step_s": {"original": 0.120, "final": 0.108, "original_compiled": 0.095},
+        "final_vs_original": {"ratio": 0.9, "ci_low": 0.88, "ci_high": 0.93},
+        "final_vs_compiled": {"ratio": 1.137, "ci_low": 1.10, "ci_high": 1.17},
+        "compiled_vs_original": {"ratio": 0.79, "ci_low": 0.77, "ci_high": 0.81},
+        "failures": {},
+    }
+    config = SimpleNamespace(run_id="r", repo="/repo", target="cpu")
+    write_report(_state(), config, tmp_path, final_step_s=None, stop_reason="no intents left", emulated_npu=False,
+                 kb_stats=None, final_comparison=comparison)
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert "**Final head vs the original: step-time ratio 0.900 (95% CI 0.880–0.930), 1.11x faster**" in markdown
+    assert "original 120.0 ms, final 108.0 ms; medians of 6 interleaved rounds" in markdown
+    assert "torch.compile of the original (Inductor, measured in the same rounds): 95.0 ms" in markdown
+    assert "the final head is slower than torch.compile" in markdown
+    assert "Per commit: Gate-measured step-time ratios" in markdown
+    assert "measured once while the analyst compiled it" not in markdown  # the interleaved figure replaces it

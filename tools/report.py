@@ -18,8 +18,11 @@ UNMEASURED = "speed unmeasured (no NPU)"
 
 
 def write_report(state: dict[str, Any], config, out_dir: Path, *, final_step_s: float | None, stop_reason: str,
-                 emulated_npu: bool, kb_stats: dict[str, Any] | None) -> list[Path]:
+                 emulated_npu: bool, kb_stats: dict[str, Any] | None, final_comparison: dict[str, Any] | None = None) -> list[Path]:
+    """`final_comparison`: agents.profiler.final.FinalComparison as JSON (the headline when present);
+    `final_step_s`: a single plain measurement of the final head (used when there is no comparison)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    state = {**state, "final_comparison": final_comparison}
     charts = _charts(state, out_dir, final_step_s)
     markdown = _markdown(state, config, final_step_s, stop_reason, emulated_npu, kb_stats, charts)
     md_path = out_dir / "report.md"
@@ -69,9 +72,35 @@ def combined_ci(ratios: list[tuple[float, tuple[float, float]]]) -> tuple[float,
     return math.exp(log_point - low), math.exp(log_point + high)
 
 
+def _ci(figure: dict[str, float]) -> str:
+    return f"{figure['ratio']:.3f} (95% CI {figure['ci_low']:.3f}–{figure['ci_high']:.3f})"
+
+
+def _comparison_lines(comparison: dict[str, Any]) -> list[str]:
+    """The end-to-end figures: final head vs the original, and vs torch.compile of the original."""
+    medians = comparison.get("median_step_s") or {}
+    rounds = comparison.get("rounds")
+    final = comparison.get("final_vs_original")
+    lines = []
+    if final:
+        lines.append(f"**Final head vs the original: step-time ratio {_ci(final)}, {1 / final['ratio']:.2f}x faster** "
+                     f"(original {_ms(medians.get('original'))}, final {_ms(medians.get('final'))}; medians of {rounds} "
+                     "interleaved rounds, a fresh sandbox child per program and round, rotated order).")
+    versus = comparison.get("final_vs_compiled")
+    compiled = comparison.get("compiled_vs_original")
+    if versus and compiled:
+        side = "faster than" if versus["ci_high"] < 1 else "slower than" if versus["ci_low"] > 1 else "not distinguishable from"
+        lines.append(f"torch.compile of the original (Inductor, measured in the same rounds): {_ms(medians.get('original_compiled'))}, "
+                     f"ratio to the original {_ci(compiled)}. Final head / torch.compile of the original: {_ci(versus)}: "
+                     f"the final head is {side} torch.compile.")
+    for arm, why in (comparison.get("failures") or {}).items():
+        lines.append(f"The {arm.replace('_', ' ')} arm failed and is left out: {why}.")
+    return lines
+
+
 def _reference_line(state: dict[str, Any], final: float | None) -> str | None:
     reference = state.get("reference_step_s")
-    if not reference:
+    if not reference or (state.get("final_comparison") or {}).get("final_vs_compiled"):
         return None
     baseline = state.get("baseline_step_s")
     text = (f"torch.compile of the original (Inductor, measured once while the analyst compiled it, not interleaved): "
@@ -121,9 +150,12 @@ def _markdown(state, config, final, stop_reason, emulated_npu, kb_stats, charts)
         "",
         "## Result",
         "",
-        _speedup_line(baseline, final, accepted),
-        "",
     ]
+    comparison = state.get("final_comparison")
+    if comparison and accepted:
+        lines += [" ".join(_comparison_lines(comparison)), "", "Per commit: " + _speedup_line(baseline, None, accepted), ""]
+    else:
+        lines += [_speedup_line(baseline, final, accepted), ""]
     reference = _reference_line(state, final)
     if reference:
         lines += [reference, ""]
@@ -154,9 +186,13 @@ def _charts(state, out_dir: Path, final: float | None) -> list[Path]:
     import matplotlib.pyplot as plt
 
     paths = []
-    baseline = state.get("baseline_step_s")
+    comparison = state.get("final_comparison") or {}
+    medians = comparison.get("median_step_s") or {}
+    baseline = medians.get("original") or state.get("baseline_step_s")
+    final = medians.get("final") or final
+    reference = medians.get("original_compiled") or state.get("reference_step_s")
     if baseline:
-        labels, values = ["baseline"], [baseline * 1000]
+        labels, values = ["original"], [baseline * 1000]
         for record in state.get("accepted") or []:
             if record.get("ratio"):
                 labels.append(record.get("category") or "?")
@@ -168,8 +204,8 @@ def _charts(state, out_dir: Path, final: float | None) -> list[Path]:
         axis.bar(range(len(values)), values, color=["#888"] + ["#2a7"] * (len(values) - 1))
         axis.set_xticks(range(len(values)), labels, rotation=20, ha="right")
         axis.set_ylabel("step time (ms)")
-        if state.get("reference_step_s"):
-            axis.axhline(state["reference_step_s"] * 1000, color="#c33", linestyle="--", label="torch.compile of the original")
+        if reference:
+            axis.axhline(reference * 1000, color="#c33", linestyle="--", label="torch.compile of the original")
             axis.legend()
         axis.set_title("Step time per accepted commit (gate ratios applied to the baseline)")
         fig.tight_layout()

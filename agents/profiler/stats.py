@@ -223,6 +223,23 @@ def decide_speed(
     )
 
 
+def paired_ratio_ci(
+    baseline_rounds: Sequence[Sequence[float]],
+    candidate_rounds: Sequence[Sequence[float]],
+    *,
+    confidence: float = 0.95,
+    seed: int = 0,
+    resamples: int = DEFAULT_RESAMPLES,
+) -> tuple[float, float, float]:
+    """(ratio, low, high): the median per-round candidate/baseline ratio and its bootstrap interval,
+    computed on the log scale as `decide_speed` does."""
+    logs = [math.log(r) for r in paired_ratios(baseline_rounds, candidate_rounds)]
+    if not logs:
+        raise ValueError("no rounds to compare")
+    low, high = bootstrap_ci(logs, confidence=confidence, resamples=resamples, seed=seed)
+    return math.exp(statistics.median(logs)), math.exp(low), math.exp(high)
+
+
 def wants_more_rounds(decision: SpeedDecision) -> bool:
     """An inconclusive look whose estimate already shows the gain asked for: worth more rounds."""
     return decision.outcome == SpeedOutcome.not_significant and decision.ratio <= 1.0 - decision.min_gain

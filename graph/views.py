@@ -1,0 +1,27 @@
+"""Read-only, detached worktrees of a run's commits (the pending NPU head, the original base) that
+the analyst or the final comparison read; never committed to, removed with the run's workspace."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def detached_view(workspace, name: str, sha: str) -> Path:
+    """`workspace.root/<name>` checked out, detached, at `sha` (created, or moved there)."""
+    path = workspace.root / name
+    if (path / ".git").exists():
+        _git(path, "checkout", "-q", "--detach", "-f", sha)
+    else:
+        _git(workspace.repo.root, "worktree", "add", "-q", "--detach", str(path), sha)
+    return path
+
+
+def remove_view(workspace, name: str) -> None:
+    path = workspace.root / name
+    if path.exists():
+        _git(workspace.repo.root, "worktree", "remove", "--force", str(path))
