@@ -63,7 +63,8 @@ def run_loop(repo: Path, run_id: str, home: Path, *, budget_s: float, max_candid
     """Run `trainbridge run` on `repo` (runs kept under `home`); returns its wall time, exit code and final state."""
     argv = [sys.executable, "-m", "trainbridge", "run", str(repo), "--target", "cpu", "--budget", f"{budget_s:g}",
             "--max-candidates", str(max_candidates), "--rounds", str(gate_rounds), "--run-id", run_id,
-            "--kb-dir", str(home / "kb")]
+            "--kb-dir", str(home / "kb"),
+            "--final-rounds", "0"]  # the speedup section measures the branch itself, interleaved with compile
     if not compile_reference:
         argv.append("--no-reference")
     env = {**os.environ, "TRAINBRIDGE_HOME": str(home), "COLUMNS": "160"}

@@ -69,7 +69,8 @@ def run(
     kb_dir: Optional[Path] = typer.Option(None, "--kb-dir", help="Embedded knowledge base directory (default: per user)."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Name of the run (default: <repo>-<timestamp>)."),
     min_gain: float = typer.Option(0.01, help="Smallest step-time gain to accept (0.01 = 1%)."),
-    rounds: int = typer.Option(10, help="Interleaved A/B rounds per candidate in the gate."),
+    rounds: int = typer.Option(10, help="Interleaved A/B rounds per candidate in the gate (twice as many when the first look is promising but inconclusive)."),
+    final_rounds: int = typer.Option(6, help="Interleaved rounds of the closing comparison: original, final head and torch.compile of the original (0: a single plain measurement)."),
     category: Optional[list[str]] = typer.Option(None, "--category", help="Only intents of this category (repeatable)."),
     server: Optional[str] = typer.Option(None, "--server", help="Submit the run to the LangGraph server at this URL (`trainbridge serve`) instead of running it here; REPO and the other paths are read on the server's machine. Ctrl-C detaches, the run goes on."),
 ) -> None:
@@ -87,7 +88,7 @@ def run(
         config = RunConfig(repo=str(repo), run_id=name, target=target, budget_s=parse_duration(budget), max_candidates=max_candidates,
                            review=review, reference_pack=str(reference.resolve()) if reference else None,
                            compile_reference=not no_reference, kb_url=kb_url, kb_dir=str(kb_dir) if kb_dir else None,
-                           min_gain=min_gain, gate_rounds=rounds, categories=category or None)
+                           min_gain=min_gain, gate_rounds=rounds, final_rounds=final_rounds, categories=category or None)
     except ValueError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
