@@ -18,9 +18,9 @@ from trainbridge.agents.coder.candidate import Candidate, CoderRefusal, make_can
 from trainbridge.graph import npu_pending
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.landed import added_lines, is_own_rewrite
-from trainbridge.graph.views import detached_view, remove_view
 from trainbridge.graph.review import REVIEW_SCHEMA_VERSION, ReviewDecision, review_payload
 from trainbridge.graph.state import RunState
+from trainbridge.graph.views import detached_view, remove_view
 from trainbridge.knowledge.schema import Outcome
 from trainbridge.records import Intent
 from trainbridge.sandbox.workload import Workload, load_workload
@@ -240,7 +240,8 @@ def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     emulated = ctx.config.target == "npu" and npu_pending.emulated_npu(ctx)
     ctx.say(f"gate: {candidate.name} ({'numerics only: no NPU here' if emulated else f'{ctx.config.gate_rounds} interleaved rounds'})")
     verdict = run_gate(load_workload(workspace.worktree), load_workload(Path(candidate.worktree)), backend=ctx.config.target,
-                       rounds=ctx.config.gate_rounds, max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain, tolerance=tolerance, emulated_speed=emulated)
+                       rounds=ctx.config.gate_rounds, max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain,
+                       tolerance=tolerance, emulated_speed=emulated)
     return {"node": "profiler", "verdict": verdict.model_dump(mode="json"), "candidates_tried": (state.get("candidates_tried") or 0) + 1,
             PARTS_KEY: dict(verdict.phase_seconds)}
 
@@ -335,6 +336,9 @@ def budget_allows_another(state: RunState, config) -> bool:
 
 
 def stop_reason(state: RunState, config) -> str:
+    """Why the loop stopped (called as the report node starts, before its own measurements)."""
+    if state.get("stop_reason"):  # set by retrieval: nothing left to try
+        return state["stop_reason"]
     if not budget_allows_another(state, config):
         elapsed = time.time() - (state.get("started_at") or time.time())
         return "time budget spent" if elapsed > config.budget_s else "time budget: not enough left for another candidate"
@@ -342,7 +346,7 @@ def stop_reason(state: RunState, config) -> str:
         return f"candidate limit ({config.max_candidates}) reached"
     if (state.get("low_gain_rounds") or 0) >= config.low_gain_rounds_to_stop:
         return f"{config.low_gain_rounds_to_stop} accepted rounds below twice the minimum gain"
-    return state.get("stop_reason") or "no intents left"
+    return "no intents left"
 
 
 # --- report --------------------------------------------------------------------------------------
@@ -353,6 +357,7 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
 
     ctx = runtime.context
     workspace = ctx.workspace(state["base_sha"])
+    reason = stop_reason(state, ctx.config)  # before the closing measurements spend more of the budget
     final, comparison, parts = None, None, {}
     if state.get("accepted"):
         started = time.monotonic()
@@ -363,7 +368,6 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             result = _measure(load_workload(workspace.worktree), ctx)
             final = result.median_step_s() if result.failure is None else None
         parts = {"final_comparison" if comparison else "final_measure": round(time.monotonic() - started, 3)}
-    reason = stop_reason(state, ctx.config)
     paths = write_report(state, ctx.config, ctx.paths.report, final_step_s=final, stop_reason=reason,
                          emulated_npu=ctx.config.target == "npu" and npu_pending.emulated_npu(ctx), kb_stats=_kb_stats(ctx),
                          final_comparison=comparison)
