@@ -49,14 +49,53 @@ RESULTS = HERE / "results"
 DEFAULT_WORKLOAD = HERE / "workloads" / "mlp"
 
 
+PLANTED_MODULE = "tb_planted_slowdown"
+PLANTED_WRAPPER = '''"""Written by benchmarks/gate_calibration.py: the workload's own entry, its train_step made
+(1 + SLOWDOWN) times slower by spinning for SLOWDOWN times the time its real work took."""
+import importlib
+import time
+
+SLOWDOWN = {slowdown!r}
+ENTRY = {entry!r}
+
+
+def entry(device, seed):
+    module, function = ENTRY.split(":")
+    parts = getattr(importlib.import_module(module), function)(device=device, seed=seed)
+    step = parts["train_step"]
+
+    def train_step(model, optimizer, batch):
+        started = time.perf_counter()
+        loss = step(model, optimizer, batch)
+        float(loss.detach()) if hasattr(loss, "detach") else None  # the work is done (synchronised) before the spin
+        until = time.perf_counter() + SLOWDOWN * (time.perf_counter() - started)
+        while time.perf_counter() < until:
+            pass
+        return loss
+
+    return {{**parts, "train_step": train_step}}
+'''
+
+
 def planted_variant(source: Path, dest: Path, slowdown: float) -> Workload:
-    """A copy of `source` whose step.py has SLOWDOWN = `slowdown` (the candidate worktree of a 'rewrite')."""
-    shutil.copytree(source, dest)
+    """A copy of `source` that is (1 + `slowdown`)x slower (the candidate worktree of a 'rewrite').
+    A workload whose step.py defines `SLOWDOWN = ...` gets that value; any other gets a wrapper
+    module around its entry, named as the entry in the copy's trainbridge.toml."""
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__"))
     step = dest / "step.py"
-    text, count = re.subn(r"^SLOWDOWN = .*$", f"SLOWDOWN = {slowdown!r}", step.read_text(encoding="utf-8"), flags=re.M)
+    if step.is_file() and re.search(r"^SLOWDOWN = .*$", step.read_text(encoding="utf-8"), flags=re.M):
+        text = re.sub(r"^SLOWDOWN = .*$", f"SLOWDOWN = {slowdown!r}", step.read_text(encoding="utf-8"), count=1, flags=re.M)
+        step.write_text(text, encoding="utf-8")
+        return load_workload(dest)
+    workload = load_workload(dest)
+    if workload.config.mode != "entry":
+        raise SystemExit(f"{source}: planting a slowdown needs an entry = \"module:function\" workload")
+    (dest / f"{PLANTED_MODULE}.py").write_text(PLANTED_WRAPPER.format(slowdown=slowdown, entry=workload.config.entry), encoding="utf-8")
+    toml = dest / "trainbridge.toml"
+    text, count = re.subn(r"^entry\s*=.*$", f'entry = "{PLANTED_MODULE}:entry"', toml.read_text(encoding="utf-8"), flags=re.M)
     if count != 1:
-        raise SystemExit(f"{source / 'step.py'} must define one line 'SLOWDOWN = ...' to plant a slowdown")
-    step.write_text(text, encoding="utf-8")
+        raise SystemExit(f"{toml}: expected one 'entry = ...' line to redirect")
+    toml.write_text(text, encoding="utf-8")
     return load_workload(dest)
 
 

@@ -286,3 +286,33 @@ def test_calibration_blocks_are_decided_with_the_gates_two_looks():
     assert one["-4.8% (5% gain)"][0]["outcome"] == "not_significant"
     rows = {r["condition"]: r for r in calibration.summarise(two)}
     assert rows["-4.8% (5% gain)"]["second_looks"] == 1.0 and rows["+10% slower"]["second_looks"] == 0.0
+
+
+@pytest.mark.slow
+def test_a_slowdown_is_planted_in_any_entry_workload(tmp_path):
+    """Workloads without a SLOWDOWN knob get a wrapper around their entry; the copy is really slower."""
+    from trainbridge.sandbox.runner import run_workload
+
+    source = tmp_path / "plain"
+    source.mkdir()
+    (source / "trainbridge.toml").write_text('entry = "train:entry"\nwarmup_steps = 1\nsteps = 6\nthreads = 1\n')
+    (source / "train.py").write_text(
+        "import torch\n\n"
+        "def entry(device, seed):\n"
+        "    torch.manual_seed(seed)\n"
+        "    model = torch.nn.Linear(512, 512)\n"
+        "    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "    def batch(i):\n"
+        "        return torch.randn(256, 512, generator=torch.Generator().manual_seed(i))\n"
+        "    def loss_fn(m, b):\n"
+        "        return m(b).pow(2).mean()\n"
+        "    def train_step(m, o, b):\n"
+        "        o.zero_grad(); loss = loss_fn(m, b); loss.backward(); o.step(); return loss\n"
+        "    return {'model': model, 'optimizer': opt, 'batch': batch, 'loss_fn': loss_fn, 'train_step': train_step}\n")
+    slow = bench("gate_calibration").planted_variant(source, tmp_path / "slow", 1.0)
+    assert slow.config.entry == "tb_planted_slowdown:entry" and (source / "trainbridge.toml").read_text().startswith('entry = "train:entry"')
+    plain_run, slow_run = (run_workload(w, mode="measure") for w in (bench("gate_calibration").load_workload(source), slow))
+    assert plain_run.failure is None and slow_run.failure is None
+    assert plain_run.losses == slow_run.losses  # the same work, only slower
+    ratio = (sorted(slow_run.step_times_s)[3]) / (sorted(plain_run.step_times_s)[3])
+    assert 1.6 < ratio < 2.6, ratio
