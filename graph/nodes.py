@@ -112,24 +112,38 @@ LAST_RESORT_TARGETS = ("cpu", "cuda")
 
 
 def retrieval(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
-    """Pick the best remaining intent and the recipes to try for it, best first."""
+    """Pick the best remaining intent and the recipes to try for it, best first. Intents whose only
+    option is the last resort (a regional compile) wait until no intent with a recipe of its own is left."""
     ctx = runtime.context
     done = set(state.get("done_intents", []))
+    deferred: tuple[dict[str, Any], Intent, list[str]] | None = None
     for data in state.get("intents", []):
         intent = Intent.model_validate(data)
         if intent.id in done:
             continue
         ranked = ctx.kb.rank_recipes(intent, ctx.config.target, n=50)
-        queue = [r.recipe.id for r in ranked if str(r.recipe.category) == str(intent.category)]
-        last_resort = not queue and ctx.config.target in LAST_RESORT_TARGETS
-        if last_resort:  # no fused API or equivalent rewrite: the last rung of the ladder, a regional compile
-            queue = [r.id for r in ctx.kb.list_recipes(category=LAST_RESORT_CATEGORY, target=ctx.config.target)]
-        queue = [r for r in queue if ctx.config.recipe_ids is None or r in ctx.config.recipe_ids]
-        ctx.say(f"intent {intent.category} at {', '.join(str(s) for s in intent.spans)}: {len(queue)} "
-                f"{'last-resort ' if last_resort else ''}recipe(s)")
-        return {"node": "retrieval", "current_intent": data, "recipe_queue": queue, "candidate": None,
-                "review_feedback": None, "verdict": None}
+        queue = _allowed(ctx, [r.recipe.id for r in ranked if str(r.recipe.category) == str(intent.category)])
+        if not queue and ctx.config.target in LAST_RESORT_TARGETS:
+            if deferred is None:
+                last = _allowed(ctx, [r.id for r in ctx.kb.list_recipes(category=LAST_RESORT_CATEGORY, target=ctx.config.target)])
+                if last:
+                    deferred = (data, intent, last)
+            continue
+        return _chosen(ctx, data, intent, queue, last_resort=False)
+    if deferred is not None:
+        return _chosen(ctx, *deferred, last_resort=True)
     return {"node": "retrieval", "current_intent": None, "recipe_queue": [], "stop_reason": state.get("stop_reason") or "no intents left"}
+
+
+def _allowed(ctx: RunContext, recipe_ids: list[str]) -> list[str]:
+    return [r for r in recipe_ids if ctx.config.recipe_ids is None or r in ctx.config.recipe_ids]
+
+
+def _chosen(ctx: RunContext, data: dict[str, Any], intent: Intent, queue: list[str], *, last_resort: bool) -> dict[str, Any]:
+    ctx.say(f"intent {intent.category} at {', '.join(str(s) for s in intent.spans)}: {len(queue)} "
+            f"{'last-resort ' if last_resort else ''}recipe(s)")
+    return {"node": "retrieval", "current_intent": data, "recipe_queue": queue, "candidate": None,
+            "review_feedback": None, "verdict": None}
 
 
 def route_after_retrieval(state: RunState) -> Literal["coder", "decide", "report"]:

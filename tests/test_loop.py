@@ -408,6 +408,11 @@ def test_retrieval_falls_back_to_a_regional_compile_only_without_a_recipe(tmp_pa
         # an intent with a recipe of its own gets no last resort
         own = nodes.retrieval({"intents": [rms], "done_intents": []}, runtime)["recipe_queue"]
         assert own and LAST_RESORT not in own
+        # the last resort waits until no intent with a recipe of its own is left (on npu, rope has its own)
+        first = nodes.retrieval({"intents": [rope, rms], "done_intents": []}, runtime)
+        assert first["current_intent"]["id"] == ("rmsnorm-1" if target == "cpu" else "rope-1")
+        later = nodes.retrieval({"intents": [rope, rms], "done_intents": ["rmsnorm-1"]}, runtime)
+        assert later["current_intent"]["id"] == "rope-1" and later["recipe_queue"] == expected
         # the run's recipe filter applies to the last resort too
         runtime.context.config = config.model_copy(update={"recipe_ids": ["gelu-tanh-functional"]})
         assert nodes.retrieval({"intents": [rope], "done_intents": []}, runtime)["recipe_queue"] == []
