@@ -67,6 +67,13 @@ def test_report_headline_is_the_interleaved_final_comparison(tmp_path):
                  kb_stats=None, final_comparison=comparison)
     markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "**Final head vs the original: step-time ratio 0.900 (95% CI 0.880–0.930), 1.11x faster**" in markdown
+    unclear = {**comparison, "final_vs_original": {"ratio": 0.985, "ci_low": 0.958, "ci_high": 1.042}}
+    write_report(_state(), config, tmp_path, final_step_s=None, stop_reason="x", emulated_npu=False, kb_stats=None,
+                 final_comparison=unclear)
+    assert "1.02x, but the interval includes no change" in (tmp_path / "report.md").read_text(encoding="utf-8")
+    write_report(_state(), config, tmp_path, final_step_s=None, stop_reason="x", emulated_npu=False, kb_stats=None,
+                 final_comparison=comparison)
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "original 120.0 ms, final 108.0 ms; medians of 6 interleaved rounds" in markdown
     assert "torch.compile of the original (Inductor, measured in the same rounds): 95.0 ms" in markdown
     assert "the final head is slower than torch.compile" in markdown

@@ -83,7 +83,10 @@ def _comparison_lines(comparison: dict[str, Any]) -> list[str]:
     final = comparison.get("final_vs_original")
     lines = []
     if final:
-        lines.append(f"**Final head vs the original: step-time ratio {_ci(final)}, {1 / final['ratio']:.2f}x faster** "
+        verdict = (f"{1 / final['ratio']:.2f}x faster" if final["ci_high"] < 1 else
+                   f"{final['ratio']:.2f}x the step time, slower" if final["ci_low"] > 1 else
+                   f"{1 / final['ratio']:.2f}x, but the interval includes no change: more rounds would be needed to tell")
+        lines.append(f"**Final head vs the original: step-time ratio {_ci(final)}, {verdict}** "
                      f"(original {_ms(medians.get('original'))}, final {_ms(medians.get('final'))}; medians of {rounds} "
                      "interleaved rounds, a fresh sandbox child per program and round, rotated order).")
     versus = comparison.get("final_vs_compiled")
