@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gates", type=int, default=8, help="independent gate runs per condition")
     parser.add_argument("--rounds", type=int, default=10, help="paired rounds of a gate run's first look")
     parser.add_argument("--max-rounds", type=int, default=None,
-                        help="rounds of the second look, taken when the first is promising but inconclusive "
+                        help="rounds of the second look, taken when the first is inconclusive but its estimate is off 1 "
+                             "by the minimum gain or more "
                              "(default: twice --rounds, as `trainbridge run`); each independent gate run measures this many")
     parser.add_argument("--steps-per-round", type=int, default=20)
     parser.add_argument("--slowdowns", type=float, nargs="+", default=[0.02, 0.05, 0.10])
@@ -249,7 +250,7 @@ def report(record: dict, args, slowdowns: list[float]) -> None:
     record["summary_sliding"] = summarise(decide_blocks(rounds, block, args, slowdowns, sliding=True, first=first))
     record["summary_pooled"] = summarise(decide_blocks(rounds, len(rounds), args, slowdowns, sliding=False))
     steps = record["config"]["steps_per_round"]
-    gate = f"{first} rounds, a second look over {block} when promising" if block > first else f"{first} rounds"
+    gate = f"{first} rounds, a second look over {block} when inconclusive but off 1 by >= min gain" if block > first else f"{first} rounds"
     print(table(record["summary_independent"], f"{len(rounds) // block} independent gate runs ({gate}) x {steps} steps"))
     print()
     print(table(record["summary_sliding"], f"sliding windows of {block} rounds ({gate}; overlapping, not independent)"))

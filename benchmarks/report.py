@@ -155,8 +155,10 @@ def calibration_table(section: dict[str, Any]) -> list[str]:
     config = section.get("config") or {}
     first = config.get("rounds", "?")
     most = config.get("max_rounds") or first
-    looks = f"{first} rounds, a second look over {most} when the first is promising but inconclusive, as `run_gate` decides" \
-        if most != first else f"{first} rounds"
+    looks = f"{first} rounds"
+    if most != first:
+        looks += (f", a second look over {most} when the first is inconclusive but its estimate is off 1 by the minimum "
+                  "gain or more, as `run_gate` decides")
     lines = [f"{config.get('gates', '?')} independent gate runs ({looks}) of {config.get('steps_per_round', '?')} steps "
              "per round and condition (fresh sandbox child per program and round); in brackets the rate over all "
              "overlapping windows of that many rounds.", "",

@@ -104,9 +104,9 @@ def estimate_s(settings: dict[str, Any], sections: list[str]) -> dict[str, float
         out["speedup"] = n * (60 + settings["rounds"] * 4 * (settings["steps"] + 1) * 0.15)
     if "calibration" in sections:
         # each independent gate run measures the second look's rounds too (twice the first look's)
-        out["calibration"] = settings["calibration_gates"] * 2 * settings["calibration_rounds"] * 5 * 4.0
+        out["calibration"] = settings["calibration_gates"] * 2 * settings["calibration_rounds"] * 5 * 3.0  # 3.0 s per child measured
     if "kb_latency" in sections:
-        out["kb_latency"] = 2 * (30 + max(settings["kb_sizes"]) * 0.0024)
+        out["kb_latency"] = 2 * (30 + max(settings["kb_sizes"]) * 0.0008)  # 0.8 s per 1k outcomes inserted, measured
     if "analysis_scaling" in sections:
         out["analysis_scaling"] = sum(20 + 8.5 * d for d in settings["depths"])
     return out

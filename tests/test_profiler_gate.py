@@ -114,7 +114,10 @@ def test_second_look_only_for_promising_inconclusive_first_looks():
     # a clear first look is final: later rounds are not even read
     clear = gate_decision([[0.1]] * 16, [[0.09]] * 8 + [[0.2]] * 8, first=8)
     assert clear.outcome == SpeedOutcome.accepted and clear.n == 8
-    # an A/A-looking first look (estimate above 1 - min_gain) gets no second look
+    # the mirror image: a loss of 3% that the first look cannot confirm is called slower after the second
+    loss = gate_decision([[0.1]] * 16, [[0.103]] * 5 + [[0.099]] * 3 + [[0.103]] * 8, first=8, min_gain=0.01)
+    assert loss.outcome == SpeedOutcome.slower and loss.n == 16
+    # an A/A-looking first look (estimate within min_gain of 1) gets no second look
     flat = gate_decision([[0.1]] * 16, [[0.1 * r] for r in (1.01, 0.995, 1.0, 1.02, 0.99, 1.0, 1.005, 0.998)] + [[0.05]] * 8, first=8)
     assert flat.n == 8 and flat.outcome == SpeedOutcome.not_significant
 

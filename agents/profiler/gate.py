@@ -10,8 +10,8 @@ Order of checks, cheapest and most decisive first:
    (`integrity`) reject before the numbers are judged; then gradients and losses are compared
    (`numerics`). With ``emulated_speed`` (NPU emulation on a host without an NPU) the gate stops
    here: ``speed_unmeasured_numerics_ok``.
-3. **Timing.** ``rounds`` rounds (up to ``max_rounds`` when the first look is promising but
-   inconclusive, see `stats.gate_decision`), each a fresh child per side running warm-up plus
+3. **Timing.** ``rounds`` rounds (up to ``max_rounds`` when the first look is inconclusive but
+   shows a gain or loss of at least ``min_gain``, see `stats.gate_decision`), each a fresh child per side running warm-up plus
    ``steps_per_round`` measured steps, in alternating order (AB, BA, AB, ...: position effects
    cancel within each pair of rounds). Both sides use one fresh timing seed; their losses must
    agree round by round (a candidate that only does the work when it is not timed shows here).
@@ -177,7 +177,7 @@ def run_gate(
                            baseline_rounds=base_rounds, candidate_rounds=cand_rounds, round_order=orders, **versions)
         index += 1
         if index == rounds and max_rounds > rounds and wants_more_rounds(decide_speed(base_rounds, cand_rounds, min_gain, confidence)):
-            planned = max_rounds  # promising but inconclusive: the second look (stats.gate_decision)
+            planned = max_rounds  # inconclusive, but a gain or loss of min_gain shows: the second look (stats.gate_decision)
 
     # --- decision -----------------------------------------------------------------------------
     speed = gate_decision(base_rounds, cand_rounds, first=rounds, min_gain=min_gain, confidence=confidence)

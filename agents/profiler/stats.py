@@ -22,9 +22,9 @@ The design, and why:
   The exact test cannot reach p < 0.025 with fewer than 6 rounds, so with 95% confidence at least
   6 rounds are needed to accept anything: fewer rounds always give ``not_significant``.
 - **A second look** (`gate_decision`): a first look that is inconclusive but whose estimate already
-  shows the required gain gets more rounds and one more decision over all of them. Gains of a few
-  percent need more rounds than clear wins or losses; the gate spends them only where they can
-  change the verdict. `benchmarks/gate_calibration.py` measures the false-accept rate and power of
+  shows the required gain (or a loss as large) gets more rounds and one more decision over all of
+  them. Effects of a few percent need more rounds than clear wins or losses; the gate spends them
+  only where they can change the verdict. `benchmarks/gate_calibration.py` measures the false-accept rate and power of
   exactly this procedure.
 """
 
@@ -241,8 +241,11 @@ def paired_ratio_ci(
 
 
 def wants_more_rounds(decision: SpeedDecision) -> bool:
-    """An inconclusive look whose estimate already shows the gain asked for: worth more rounds."""
-    return decision.outcome == SpeedOutcome.not_significant and decision.ratio <= 1.0 - decision.min_gain
+    """An inconclusive look whose estimate already shows the gain asked for, or a loss as large: worth
+    more rounds (a gain may be confirmed; a loss called `slower` is clearer evidence for the
+    knowledge base than `not_significant`)."""
+    margin = max(decision.min_gain, 0.01)
+    return decision.outcome == SpeedOutcome.not_significant and abs(decision.ratio - 1.0) >= margin
 
 
 def gate_decision(
