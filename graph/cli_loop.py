@@ -37,24 +37,32 @@ def parse_duration(text: str) -> float:
     return sum(float(value) * {"h": 3600, "m": 60, "s": 1}[unit] for value, unit in parts)
 
 
-def _report_outcome(outcome) -> None:
+def print_outcome(name: str, waiting: dict | None, state: dict, finished: bool, *, review_command: str,
+                  where: str = "", show_report: bool = True) -> bool:
+    """A paused or finished run as the CLI shows it (local or served: `where` says on which machine the
+    branch and report are). Returns False when the run is neither, for the caller to say what it is."""
     from trainbridge.graph.app import summary_line
 
-    if outcome.waiting_for_review is not None:
-        payload = outcome.waiting_for_review
-        console.print(f"[yellow]paused for review[/] of candidate {payload.get('candidate')} ({payload.get('intent', {}).get('category')}); "
-                      f"answer with: trainbridge review {outcome.run_id}", soft_wrap=True)
-        return
-    state = outcome.state
-    if outcome.finished:
-        console.print(f"[green]run {outcome.run_id} finished[/]: {state.get('stop_reason')}; {summary_line(state)}", soft_wrap=True)
-        console.print(f"branch: {state.get('run_branch')}", soft_wrap=True)
-        for path in state.get("report_paths") or []:
-            if path.endswith("report.md"):
-                console.print(f"report: {path}", soft_wrap=True)
+    if waiting is not None:
+        console.print(f"[yellow]paused for review[/] of candidate {waiting.get('candidate')} ({(waiting.get('intent') or {}).get('category')}); "
+                      f"answer with: {review_command}", soft_wrap=True)
+        return True
+    if not finished:
+        return False
+    console.print(f"[green]run {name} finished[/]: {state.get('stop_reason')}; {summary_line(state)}", soft_wrap=True)
+    console.print(f"branch: {state.get('run_branch')}" + (f" (in the repository {where})" if where else ""), soft_wrap=True)
+    for path in state.get("report_paths") or []:
+        if path.endswith("report.md"):
+            console.print(f"report {where}: {path}" if where else f"report: {path}", soft_wrap=True)
+            if show_report:
                 print(Path(path).read_text(encoding="utf-8"))
-    else:
-        console.print(f"run {outcome.run_id} stopped at {state.get('node')}; continue with: trainbridge resume {outcome.run_id}")
+    return True
+
+
+def _report_outcome(outcome) -> None:
+    if not print_outcome(outcome.run_id, outcome.waiting_for_review, outcome.state, outcome.finished,
+                         review_command=f"trainbridge review {outcome.run_id}"):
+        console.print(f"run {outcome.run_id} stopped at {outcome.state.get('node')}; continue with: trainbridge resume {outcome.run_id}")
 
 
 def run(

@@ -178,26 +178,17 @@ def review_on_server(url: str, ref: str, action: Optional[str], reason: Optional
 
 def report_served(url: str, outcome) -> None:
     """Where a served run stands, and the command that continues it."""
-    from trainbridge.graph.app import summary_line
+    from trainbridge.graph.cli_loop import print_outcome
 
     name = outcome.run_id or outcome.thread_id
     if outcome.error:
         _error(f"run {name} stopped on the server (thread {outcome.thread_id}): {outcome.error}")
         raise typer.Exit(1)
-    if outcome.waiting_for_review is not None:
-        payload = outcome.waiting_for_review
-        console.print(f"[yellow]paused for review[/] of candidate {payload.get('candidate')} ({(payload.get('intent') or {}).get('category')}); "
-                      f"answer with: trainbridge review --server {url} {name}", soft_wrap=True)
-        return
-    state = outcome.state
-    if outcome.finished:
-        console.print(f"[green]run {name} finished[/]: {state.get('stop_reason')}; {summary_line(state)}", soft_wrap=True)
-        console.print(f"branch: {state.get('run_branch')} (in the repository on the server's machine)", soft_wrap=True)
-        for path in state.get("report_paths") or []:
-            if path.endswith("report.md"):
-                console.print(f"report on the server's machine: {path}", soft_wrap=True)
-        return
-    console.print(f"run {name} is {outcome.status} on the server (thread {outcome.thread_id}), last node {state.get('node')}", soft_wrap=True)
+    if not print_outcome(name, outcome.waiting_for_review, outcome.state, outcome.finished,
+                         review_command=f"trainbridge review --server {url} {name}", where="on the server's machine",
+                         show_report=False):
+        console.print(f"run {name} is {outcome.status} on the server (thread {outcome.thread_id}), last node "
+                      f"{outcome.state.get('node')}", soft_wrap=True)
 
 
 def served_run_status(run_id: str) -> dict | None:

@@ -3,12 +3,9 @@ the analyst or the final comparison read; never committed to, removed with the r
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
-
-def _git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+from trainbridge.graph.npu_pending import git as _git  # the graph's one git runner (npu_pending imports views lazily)
 
 
 def detached_view(workspace, name: str, sha: str) -> Path:

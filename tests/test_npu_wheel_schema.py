@@ -6,7 +6,6 @@ install: it is read as data) and the test is skipped, saying why, when the regis
 
 from __future__ import annotations
 
-import inspect
 import re
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from trainbridge.tests.test_npu_emulation import EMULATED_OPS, _schema_params, tnpu  # noqa: F401 (tnpu is a fixture)
+from trainbridge.tests.test_npu_emulation import EMULATED_OPS, assert_signature_matches, tnpu  # noqa: F401 (tnpu is a fixture)
 
 WHEEL_VERSION = "2.13.0"  # pairs with the torch this project pins
 SCHEMA_FILE = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
@@ -48,11 +47,4 @@ def test_the_wheel_declares_the_fused_ops_the_recipes_use(wheel_schemas):
 def test_emulated_signature_matches_the_wheel(tnpu, wheel_schemas, name):  # noqa: F811
     if name not in wheel_schemas:
         pytest.skip(f"{name} is not in the wheel's codegen schema file (checked against op-plugin's schema instead)")
-    schema = wheel_schemas[name]
-    params = list(inspect.signature(getattr(tnpu, name)).parameters.values())
-    want = _schema_params(schema)
-    assert [p.name for p in params] == [w[0] for w in want], schema
-    for param, (wanted, keyword_only, default) in zip(params, want):
-        kind = inspect.Parameter.KEYWORD_ONLY if keyword_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
-        assert param.kind == kind, f"{name}.{wanted}: {param.kind} vs {schema}"
-        assert param.default == default, f"{name}.{wanted}: {param.default!r} vs {default!r} in {schema}"
+    assert_signature_matches(getattr(tnpu, name), name, wheel_schemas[name], same_default_type=False)
