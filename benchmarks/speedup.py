@@ -10,7 +10,7 @@ slow drift of the machine and carry-over from the previous variant hit all varia
 
 The evidence of a comparison is the per-round ratio of round medians (`stats.paired_ratios`);
 its estimate is the median of the log-ratios, its interval a percentile bootstrap
-(`stats.bootstrap_ci`), exactly as the speed gate computes them.
+(`stats.paired_ratio_ci`), exactly as the speed gate computes them.
 
 Used by `suite.py`; on its own:
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import select
 import statistics
@@ -33,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from trainbridge.agents.profiler.stats import bootstrap_ci, paired_ratios
+from trainbridge.agents.profiler.stats import paired_ratio_ci, paired_ratios
 from trainbridge.sandbox.backends import Backend
 from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory, network_isolation, scrubbed_env
 from trainbridge.sandbox.workload import Workload, load_workload
@@ -197,10 +196,9 @@ def measure_variants(variants: dict[str, tuple[Workload, bool]], *, rounds: int,
 
 def ratio_summary(numerator: list[list[float]], denominator: list[list[float]], *, confidence: float = 0.95, seed: int = 0) -> dict[str, Any]:
     """Median over rounds of the paired round-median ratios numerator/denominator, with a bootstrap CI."""
-    logs = [math.log(r) for r in paired_ratios(denominator, numerator)]
-    low, high = bootstrap_ci(logs, confidence=confidence, seed=seed)
-    return {"ratio": math.exp(statistics.median(logs)), "ci": [math.exp(low), math.exp(high)], "confidence": confidence,
-            "rounds": len(logs), "round_ratios": [math.exp(x) for x in logs]}
+    ratio, low, high = paired_ratio_ci(denominator, numerator, confidence=confidence, seed=seed)
+    round_ratios = paired_ratios(denominator, numerator)
+    return {"ratio": ratio, "ci": [low, high], "confidence": confidence, "rounds": len(round_ratios), "round_ratios": round_ratios}
 
 
 def summarise(samples: dict[str, list[list[float]]], *, aliases: dict[str, str] | None = None, confidence: float = 0.95) -> dict[str, Any]:

@@ -180,9 +180,7 @@ def decide_speed(
     if not ratios:
         raise ValueError("no rounds to decide on")
     logs = [math.log(r) for r in ratios]
-    ratio = math.exp(statistics.median(logs))
-    lo_log, hi_log = bootstrap_ci(logs, confidence=confidence, resamples=resamples, seed=seed)
-    ci_low, ci_high = math.exp(lo_log), math.exp(hi_log)
+    ratio, ci_low, ci_high = _median_ratio_ci(logs, confidence, seed, resamples)
     p_faster, p_slower = wilcoxon_signed_rank(logs)
     alpha = (1.0 - confidence) / 2.0
     n = len(ratios)
@@ -236,6 +234,11 @@ def paired_ratio_ci(
     logs = [math.log(r) for r in paired_ratios(baseline_rounds, candidate_rounds)]
     if not logs:
         raise ValueError("no rounds to compare")
+    return _median_ratio_ci(logs, confidence, seed, resamples)
+
+
+def _median_ratio_ci(logs: Sequence[float], confidence: float, seed: int, resamples: int) -> tuple[float, float, float]:
+    """exp of the median log-ratio and of its percentile-bootstrap interval."""
     low, high = bootstrap_ci(logs, confidence=confidence, resamples=resamples, seed=seed)
     return math.exp(statistics.median(logs)), math.exp(low), math.exp(high)
 
