@@ -1,9 +1,17 @@
 """The step harness: runs inside the sandbox child (`python -m trainbridge.sandbox.harness REQUEST`).
 
-It lives outside the repository under test, so a candidate cannot change how it is timed. It reads
-a JSON request, seeds everything, imports the workload's entry, runs warm-up and measured steps
-with device synchronisation, and writes a JSON result atomically. Progress (one line per finished
-step) goes to a side file so the parent knows how far a killed run got.
+It lives outside the repository under test. Two ways in:
+
+- ``--channel R,W`` (timed runs: modes "measure" and "gate"): the request and then one command at a
+  time arrive over a pipe from the parent, which times every step with its own clock
+  (sandbox/step_server.py, sandbox/step_driver.py); the child's own clock is only a cross-check.
+  Nothing on the command line, in the environment or in files tells a gate child which round it
+  is in.
+- ``REQUEST.json [MODE]`` (analysis modes: profile, capture, numerics, npu_profile): reads a JSON
+  request file, runs the mode, writes a JSON result atomically; progress (one line per finished
+  step) goes to a side file so the parent knows how far a killed run got.
+
+Both seed everything and import the workload's entry first.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+CHANNEL_MODES = ("measure", "gate")  # timed runs: the parent drives and times them (execute_channel)
 REQUIRED_PARTS = ("model", "optimizer", "batch", "loss_fn", "train_step")
 _OOM_MARKERS = ("out of memory", "not enough memory", "can't allocate memory", "cannot allocate memory")
 TRACEBACK_TAIL_CHARS = 4000
@@ -74,7 +83,8 @@ def loss_value(loss: Any) -> float:
 
 
 def run_steps(parts: dict[str, Any], backend, warmup: int, steps: int, progress: Callable[[dict], None], record: dict[str, list[float]]) -> None:
-    """Warm-up then measured steps, each timed between device synchronisations, appended to `record`
+    """Warm-up then measured steps timed on this process's own clock (benchmarks/bench_worker.py's trusted programs;
+    the gate and `trainbridge measure` are timed by the parent instead), each between device synchronisations, appended to `record`
     as they finish (so a failure part-way keeps what was measured)."""
     model, optimizer, batch, train_step = parts["model"], parts["optimizer"], parts["batch"], parts["train_step"]
     warmup_times, step_times, losses = record["warmup_times_s"], record["step_times_s"], record["losses"]
@@ -94,18 +104,13 @@ def run_steps(parts: dict[str, Any], backend, warmup: int, steps: int, progress:
 
 
 def run_mode(mode: str, parts: dict[str, Any], backend, request: dict[str, Any], progress, result: dict[str, Any]) -> None:
-    """measure: timed steps (with "compile": the model under torch.compile, compiled during the warm-up);
-    profile: every eager op of the step with its source line (EagerOpTable);
+    """profile: every eager op of the step with its source line (EagerOpTable);
     capture: the step under torch.compile with Inductor's debug output written to evidence_dir;
     numerics: the gate's probe; npu_profile: torch_npu.profiler output in profile_dir, parsed (real NPU)."""
     warmup, steps = int(request["warmup_steps"]), int(request["steps"])
-    if mode == "measure":
-        if request.get("compile"):  # torch.compile of the model as the user wrote it (the reference's speed)
-            import torch
-
-            parts = {**parts, "model": torch.compile(parts["model"])}
-        run_steps(parts, backend, warmup, steps, progress, result)
-    elif mode == "profile":
+    if mode in CHANNEL_MODES:
+        raise HarnessFailure("bad_workload", f"harness mode {mode!r} runs over the control channel (--channel), timed by the parent")
+    if mode == "profile":
         from trainbridge.tools.eager_profile import record_eager_ops
 
         table = record_eager_ops(parts, Path(request["root"]), steps=steps, warmup=warmup, sync=backend.sync, backend=backend.name)
@@ -224,10 +229,60 @@ def execute(request: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def execute_channel(channel) -> None:
+    """Serve one timed run over the control channel (see the module doc); never raises for the
+    workload's faults: the last message is always {"op": "result", ...}."""
+    from trainbridge.sandbox.backends import Backend
+    from trainbridge.sandbox.guard import Guard
+    from trainbridge.sandbox.step_server import StepServer
+
+    request = channel.recv()
+    result: dict[str, Any] = {"op": "result", "versions": {}, "failure": None}
+    server = guard = None
+    try:
+        import torch
+
+        backend = Backend(request["backend"])
+        torch.set_num_threads(int(request["threads"]))
+        root = Path(request["root"])
+        for extra in request.get("pythonpath", []):
+            sys.path.insert(0, str(root / extra))
+        _prepare_device(backend)
+        guard = Guard().capture()  # before the workload's code runs: what it replaces shows in the result
+        seed_everything(int(request["seed"]))
+        parts = load_parts(root, request["entry"], backend.device, int(request["seed"]))
+        if request.get("compile"):
+            parts = {**parts, "model": torch.compile(parts["model"])}
+        backend.reset_peak_memory()
+        seed_everything(int(request["seed"]))  # a batch drawn from the global RNG must not depend on the build
+        server = StepServer(channel, parts, backend)
+        channel.send({"op": "ready"})
+        server.serve()
+        result["peak_memory_bytes"] = backend.peak_memory_bytes()
+        result["threads_in_use"] = torch.get_num_threads()
+    except HarnessFailure as failure:
+        result["failure"] = _failure(failure.kind, failure.message, failure.exc, failure.step)
+    except BaseException as exc:  # the workload's own error: classify, keep the traceback tail
+        result["failure"] = _failure(classify(exc), f"{type(exc).__name__}: {exc}", exc, server.steps_done if server else None)
+    try:
+        result["versions"] = versions()
+        result["replaced"] = guard.replaced() if guard is not None else []
+    except Exception as exc:  # reporting must not hide the run's own outcome
+        result.setdefault("notes", []).append(f"could not read versions or the guard: {exc}")
+    channel.send(result)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 2 and argv[0] == "--channel":
+        from trainbridge.sandbox.channel import Channel
+
+        read_fd, write_fd = (int(fd) for fd in argv[1].split(","))
+        execute_channel(Channel(read_fd, write_fd))
+        return 0
     if len(argv) not in (1, 2):
-        print("usage: python -m trainbridge.sandbox.harness REQUEST.json [MODE]  (MODE only labels the process)", file=sys.stderr)
+        print("usage: python -m trainbridge.sandbox.harness REQUEST.json [MODE]  (MODE only labels the process)\n"
+              "       python -m trainbridge.sandbox.harness --channel READ_FD,WRITE_FD", file=sys.stderr)
         return 2
     request_path = Path(argv[0])
     request = json.loads(request_path.read_text(encoding="utf-8"))

@@ -28,6 +28,23 @@ class Failure(Record):
     step: int | None = Field(default=None, description="0-based step index where it failed, when known")
 
 
+class ChildWatch(Record):
+    """What the parent saw of a timed child from the kernel's side (sandbox/proc_watch.py) and of its
+    conduct on the control channel. Empty lists: nothing seen; None figures: not measurable here."""
+
+    cpu_s: float | None = Field(default=None, description="CPU time of the child and its descendants over the timed steps")
+    wall_s: float | None = Field(default=None, description="wall time of the timed steps, on the parent's clock")
+    cores_used: float | None = Field(default=None, description="cpu_s / wall_s")
+    max_threads: int | None = None
+    raised_priority: list[str] = Field(default_factory=list, description="threads or processes running above the gate's priority")
+    extra_processes: list[int] = Field(default_factory=list, description="descendant processes alive during the timed steps")
+    helper_cpu_s: float | None = Field(default=None, description="CPU time of those descendants over the timed steps")
+    threads_in_use: int | None = Field(default=None, description="torch.get_num_threads() at the end, as the child reports it")
+    survivors: list[str] = Field(default_factory=list, description="processes that escaped the child's process group and outlived it")
+    protocol_violations: list[str] = Field(default_factory=list, description="messages on the control channel the harness did not send")
+    replaced: list[str] = Field(default_factory=list, description="clocks, sync and harness functions the workload rebound (sandbox/guard.py)")
+
+
 class RunResult(Record):
     """What one sandboxed run produced. `failure` is None exactly when the run succeeded."""
 
@@ -41,6 +58,14 @@ class RunResult(Record):
     step_times_s: list[float] = Field(default_factory=list, description="measured steps only, device-synchronised")
     warmup_times_s: list[float] = Field(default_factory=list)
     losses: list[float] = Field(default_factory=list, description="every step, warm-up included")
+    timing_source: str = Field(default="child", description="parent: step times on the parent's clock (control channel); child: the harness's")
+    inner_step_times_s: list[float] = Field(default_factory=list, description="parent-timed runs: the child's own clock per timed step "
+                                            "(warm-up, measured, cool-down), for the cross-check")
+    cooldown_times_s: list[float] = Field(default_factory=list)
+    clock_span_s: tuple[float, float] | None = Field(default=None, description="parent-timed runs: from the first timed step's reply to "
+                                                     "the last, on the parent's clock and on the child's")
+    cooldown_losses: list[float] = Field(default_factory=list)
+    watch: ChildWatch | None = Field(default=None, description="parent-timed runs: the kernel's view of the child")
     peak_memory_bytes: int | None = None
     versions: dict[str, str] = Field(default_factory=dict)
     network_isolated: bool = False

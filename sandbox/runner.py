@@ -3,6 +3,10 @@
 A crashed, hung or memory-hungry workload never takes TrainBridge down: the child runs in its own
 process group (killed as a whole on timeout), under an address-space cap, with a scrubbed
 environment and, where the host allows, no network.
+
+Timed entry-mode runs (modes "measure" and "gate") are driven step by step over a control channel
+and timed on this process's clock (sandbox/step_driver.py); analysis modes exchange a request and a
+result file with the harness.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory,
 from trainbridge.sandbox.npu_emulation import selection_env
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
 from trainbridge.sandbox.scratch import scratch_dir
+from trainbridge.sandbox.step_driver import DriveOutcome, StepPlan, drive
 from trainbridge.sandbox.workload import Workload
 
 ProgressCallback = Callable[[int, int], None]  # (steps done, steps total)
@@ -39,8 +44,11 @@ def run_workload(
     extra_env: dict[str, str] | None = None,
     on_progress: ProgressCallback | None = None,
     work_dir: Path | None = None,
+    plan: StepPlan | None = None,
 ) -> RunResult:
-    """Run `workload` (its root may be a git worktree) in the sandbox; never raises for workload faults."""
+    """Run `workload` (its root may be a git worktree) in the sandbox; never raises for workload faults.
+    Modes "measure" and "gate" follow `plan` (default: the configured warm-up and steps on batches
+    0, 1, 2, ..., then one cool-down step); "gate" needs a plan."""
     config = workload.config
     target = Backend(backend)
     memory_limit_mb = config.memory_limit_mb or default_memory_limit_mb()
@@ -50,6 +58,25 @@ def run_workload(
         env = selection_env(npu_selection(), env)
     total = config.warmup_steps + config.steps
     with scratch_dir("trainbridge-run-", work_dir) as tmp_dir:
+        if config.mode == "entry" and mode in CHANNEL_MODES:
+            if plan is None and mode == "gate":
+                raise ValueError("mode 'gate' needs a StepPlan (its batch indices, probe and parameter deltas)")
+            plan = plan or StepPlan.sequential(config.warmup_steps, config.steps)
+            request = {"mode": mode, "root": str(workload.root), "entry": config.entry, "pythonpath": config.pythonpath,
+                       "backend": target.name, "seed": config.seed, "threads": config.threads, **(extra_request or {})}
+            base = _base_result(config, target, isolation, memory_limit_mb)
+            base.warmup_steps = len(plan.warmup)
+            steps_total = len(plan.warmup) + len(plan.measured) + len(plan.cooldown)
+            started = time.monotonic()
+            # argv is the same for every timed child: what it is asked comes over the channel only
+            outcome = drive([*isolation.prefix, sys.executable, "-m", "trainbridge.sandbox.harness"], request=request, plan=plan,
+                            cwd=workload.root, env=env, preexec_fn=limit_memory(memory_limit_mb), timeout_s=config.timeout_s,
+                            stdout_path=tmp_dir / "stdout.txt", stderr_path=tmp_dir / "stderr.txt",
+                            on_progress=(lambda done: on_progress(min(done, total), total)) if on_progress else None)
+            base.wall_s = time.monotonic() - started
+            base.stdout_tail = (tmp_dir / "stdout.txt").read_text(encoding="utf-8", errors="replace")[-TAIL_CHARS:]
+            base.stderr_tail = (tmp_dir / "stderr.txt").read_text(encoding="utf-8", errors="replace")[-TAIL_CHARS:]
+            return _driven_result(base, outcome, config.timeout_s, steps_total)
         if config.mode == "entry":
             request = {
                 "mode": mode,
@@ -73,17 +100,7 @@ def run_workload(
             argv = shlex.split(config.command or "")
             if argv and argv[0] in ("python", "python3"):
                 argv[0] = sys.executable  # the interpreter TrainBridge runs under, with the same packages
-        base = RunResult(
-            mode=config.mode,
-            backend=target.name,
-            device=target.device,
-            seed=config.seed,
-            threads=config.threads,
-            warmup_steps=config.warmup_steps,
-            network_isolated=isolation.isolated,
-            isolation_notes=list(isolation.notes),
-            memory_limit_mb=memory_limit_mb,
-        )
+        base = _base_result(config, target, isolation, memory_limit_mb)
         started = time.monotonic()
         outcome = _run_child(
             [*isolation.prefix, *argv],
@@ -99,6 +116,45 @@ def run_workload(
         if config.mode == "command":
             return _command_result(base, outcome, workload)
         return _entry_result(base, outcome, tmp_dir, config.timeout_s)
+
+
+CHANNEL_MODES = ("measure", "gate")
+
+
+def _base_result(config, target: Backend, isolation, memory_limit_mb: int) -> RunResult:
+    return RunResult(mode=config.mode, backend=target.name, device=target.device, seed=config.seed, threads=config.threads,
+                     warmup_steps=config.warmup_steps, network_isolated=isolation.isolated, isolation_notes=list(isolation.notes),
+                     memory_limit_mb=memory_limit_mb)
+
+
+def _driven_result(base: RunResult, outcome: DriveOutcome, timeout_s: float, steps_total: int) -> RunResult:
+    base.timing_source = "parent"
+    base.warmup_times_s, base.step_times_s = outcome.warmup_times_s, outcome.step_times_s
+    base.cooldown_times_s, base.cooldown_losses = outcome.cooldown_times_s, outcome.cooldown_losses
+    base.inner_step_times_s, base.losses = outcome.inner_times_s, outcome.losses
+    base.watch = outcome.watch
+    if len(outcome.clock_pairs) >= 2:
+        (parent_first, child_first), (parent_last, child_last) = outcome.clock_pairs[0], outcome.clock_pairs[-1]
+        base.clock_span_s = (parent_last - parent_first, child_last - child_first)
+    if outcome.result:
+        base.versions = outcome.result.get("versions", {})
+        base.peak_memory_bytes = outcome.result.get("peak_memory_bytes")
+    if outcome.probe is not None:
+        base.extra["numerics"] = outcome.probe
+    if outcome.final is not None:
+        base.extra["final"] = outcome.final
+    done = len(outcome.inner_times_s)
+    if outcome.failure is not None:
+        base.failure = outcome.failure
+    elif outcome.timed_out:
+        base.failure = Failure(kind=FailureKind.timeout, message=f"no result within the {timeout_s:g} s limit; the process group was "
+                               f"killed after {done} of {steps_total} step(s)", step=done)
+    elif outcome.watch.protocol_violations:
+        base.failure = Failure(kind=FailureKind.crashed, message="the run broke the harness's protocol: "
+                               + "; ".join(outcome.watch.protocol_violations)[:1500], step=done)
+    elif outcome.result is None:
+        base.failure = _classify_death(_ChildOutcome(outcome.returncode, False, base.stdout_tail, base.stderr_tail), done)
+    return base
 
 
 class _ChildOutcome:

@@ -1,21 +1,26 @@
 """The profiler gate: is the candidate numerically the baseline, and is it faster?
 
-Order of checks, cheapest and most decisive first:
-
 1. **Configuration.** Both sides run under the baseline's trainbridge.toml; a candidate that
    changes it (seed, steps, entry, threads) is rejected as ``tampered_inputs``.
-2. **Numerics.** One child per side in harness mode "numerics" with a seed and batch indices drawn
-   fresh for this check (unknowable to the candidate). A candidate failure becomes the matching
-   typed rejection (crashed, timed_out, out_of_memory, import_error); gate-gaming signs
-   (`integrity`) reject before the numbers are judged; then gradients and losses are compared
-   (`numerics`). With ``emulated_speed`` (NPU emulation on a host without an NPU) the gate stops
-   here: ``speed_unmeasured_numerics_ok``.
-3. **Timing.** ``rounds`` rounds (up to ``max_rounds`` when the first look is inconclusive but
-   shows a gain or loss of at least ``min_gain``, see `stats.gate_decision`), each a fresh child per side running warm-up plus
-   ``steps_per_round`` measured steps, in alternating order (AB, BA, AB, ...: position effects
-   cancel within each pair of rounds). Both sides use one fresh timing seed; their losses must
-   agree round by round (a candidate that only does the work when it is not timed shows here).
-4. **Decision** on the per-round medians (`stats.decide_speed`).
+2. **Rounds.** Each round runs both sides once, in alternating order (AB, BA, ...), each in a fresh
+   child on a seed and batch indices drawn fresh for that round (unknowable to the candidate in
+   advance; both sides of a round get the same). Every child does exactly the same thing, whether
+   its round is the first or a later one: the numerics probe on the freshly built parts, then
+   warm-up, measured and one cool-down step driven and timed by this process over the control
+   channel (sandbox/step_driver.py), then the parameters' changes over those steps. Nothing tells the
+   code under test whether it is being checked or timed: it is always both.
+3. **Checks of every round**, cheapest and most decisive first: a failure of the candidate becomes
+   the matching typed rejection (crashed, timed_out, out_of_memory, import_error); its conduct while
+   timed (`conduct`: the control channel, its own clock against the gate's, cores, priority,
+   processes that outlive it, files written into its worktree); gate-gaming signs in its probe
+   (`integrity.check_probes`); the probe's gradients and losses (`numerics`); the losses of every
+   timed step and each parameter's change over them against the baseline's (the timed steps are
+   checked as hard as the probe). The first round's numerics are the verdict's numerics; with
+   ``emulated_speed`` (NPU emulation on a host without an NPU) the gate stops after it:
+   ``speed_unmeasured_numerics_ok``.
+4. **Decision** on the per-round medians of the parent-timed measured steps (`stats.gate_decision`):
+   ``rounds`` rounds, up to ``max_rounds`` when the first look is inconclusive but shows a gain or
+   loss of at least ``min_gain``.
 
 A failure of the *baseline* is not the candidate's fault: it raises `GateError`.
 """
@@ -25,21 +30,24 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from trainbridge.agents.profiler.integrity import Finding, check_config, check_probes, check_timed_losses
+from trainbridge.agents.profiler import conduct
+from trainbridge.agents.profiler.integrity import Finding, check_config, check_probes, check_timed_deltas, check_timed_losses
 from trainbridge.agents.profiler.numerics import NumericsResult, NumericsTolerance, compare_numerics, load_grads
-from trainbridge.agents.profiler.probe_report import ProbeReport
-from trainbridge.agents.profiler.probe_run import run_probe
+from trainbridge.agents.profiler.probe_report import ProbeReport, ProbeReportError
 from trainbridge.agents.profiler.stats import SpeedOutcome, decide_speed, gate_decision, wants_more_rounds
 from trainbridge.agents.profiler.verdict import FAILURE_REASONS, Verdict, VerdictReason
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
 from trainbridge.sandbox.runner import run_workload
 from trainbridge.sandbox.scratch import scratch_dir
+from trainbridge.sandbox.step_driver import StepPlan
 from trainbridge.sandbox.workload import Workload
 
 GateProgress = Callable[[str, int, int], None]  # (phase, done, total); phases "numerics", "timing"
 SEED_LIMIT = 2**31 - 1
+COOLDOWN_STEPS = 1  # after the measured steps: work a candidate defers past its last measured reply lands here
 _SPEED_REASONS = {
     SpeedOutcome.accepted: VerdictReason.accepted,
     SpeedOutcome.slower: VerdictReason.slower,
@@ -49,6 +57,63 @@ _SPEED_REASONS = {
 
 class GateError(RuntimeError):
     """The gate could not judge the candidate (the baseline itself failed, or bad arguments)."""
+
+
+@dataclass(frozen=True)
+class RoundInputs:
+    """What both sides of one round are given: drawn fresh per round."""
+
+    seed: int
+    probe_indices: list[int]
+    warmup: list[int]
+    measured: list[int]
+    cooldown: list[int]
+
+    @classmethod
+    def draw(cls, rng: random.Random, *, numerics_steps: int, warmup: int, steps: int, index_range: int) -> "RoundInputs":
+        timed = [rng.randrange(index_range) for _ in range(warmup + steps + COOLDOWN_STEPS)]
+        return cls(seed=rng.randrange(1, SEED_LIMIT), probe_indices=rng.sample(range(index_range), numerics_steps),
+                   warmup=timed[:warmup], measured=timed[warmup:warmup + steps], cooldown=timed[warmup + steps:])
+
+
+@dataclass
+class SideRun:
+    """One side of one round: the run, its probe report, its first-step gradients, its parameter
+    changes over the timed steps, and the files it wrote into its worktree."""
+
+    run: RunResult
+    report: ProbeReport | None = None
+    grads: dict | None = None
+    deltas: dict | None = None
+    unchanged: list[str] | None = None
+    written: list[str] | None = None
+
+
+def run_side(workload: Workload, inputs: RoundInputs, *, backend: str, extra_env: dict[str, str] | None,
+             work_dir: Path | None, label: str) -> SideRun:
+    """One gate child for one side of a round (a fresh scratch folder, gone before the other side runs)."""
+    with scratch_dir(f"trainbridge-gate-{label}-", work_dir) as tmp:
+        plan = StepPlan(warmup=inputs.warmup, measured=inputs.measured, cooldown=inputs.cooldown,
+                        probe={"seed": inputs.seed, "batch_indices": inputs.probe_indices, "grads_path": str(tmp / "grads.pt")},
+                        deltas_path=tmp / "deltas.pt")
+        before = conduct.snapshot_tree(workload.root)
+        run = run_workload(workload.with_overrides(seed=inputs.seed), backend=backend, mode="gate", plan=plan,
+                           extra_env=extra_env, work_dir=work_dir)
+        side = SideRun(run=run, written=conduct.changed_files(before, conduct.snapshot_tree(workload.root)))
+        if run.failure is None and not run.step_times_s:
+            run.failure = Failure(kind=FailureKind.crashed, message="the run finished without any measured step time")
+        if run.failure is not None:
+            return side
+        try:  # whatever the child left behind is only a result once it parses
+            side.report = ProbeReport.from_run(run)
+            side.grads = load_grads(tmp / "grads.pt")
+            final = run.extra.get("final") or {}
+            side.unchanged = [str(n) for n in final.get("unchanged_params", [])]
+            side.deltas = load_grads(tmp / "deltas.pt")
+        except (ProbeReportError, ValueError, OSError, RuntimeError) as exc:
+            run.failure = Failure(kind=FailureKind.crashed, message=f"the gate run left no readable probe, gradient or parameter "
+                                  f"file ({type(exc).__name__}: {exc})"[:2000])
+        return side
 
 
 def run_gate(
@@ -82,13 +147,20 @@ def run_gate(
                         "'The workload contract').")
     started = time.monotonic()
     rng = rng or random.SystemRandom()
-    numerics_seed, timing_seed = rng.randrange(1, SEED_LIMIT), rng.randrange(1, SEED_LIMIT)
-    batch_indices = rng.sample(range(batch_index_range), numerics_steps)
     tolerance = tolerance or NumericsTolerance()
     progress = on_progress or (lambda phase, done, total: None)
-    common = {"backend": backend, "numerics_seed": numerics_seed, "timing_seed": timing_seed}
+    steps = steps_per_round or baseline.config.steps
 
+    def draw() -> RoundInputs:
+        return RoundInputs.draw(rng, numerics_steps=numerics_steps, warmup=baseline.config.warmup_steps, steps=steps,
+                                index_range=batch_index_range)
+
+    round_inputs: list[RoundInputs] = [draw()]
     marks: dict[str, float] = {}
+    base_rounds: list[list[float]] = []
+    cand_rounds: list[list[float]] = []
+    orders: list[str] = []
+    state: dict = {}
 
     def verdict(reason: VerdictReason, message: str, phase: str, **fields) -> Verdict:
         now = time.monotonic()
@@ -96,95 +168,91 @@ def run_gate(
         seconds = {"numerics": round(numerics_end - started, 3)}
         if "numerics_end" in marks:
             seconds["timing"] = round(now - numerics_end, 3)
-        return Verdict(accepted=reason == VerdictReason.accepted, reason=reason, message=message, phase=phase,
-                       wall_s=now - started, phase_seconds=seconds, **common, **fields)
+        timing = {"baseline_rounds": base_rounds, "candidate_rounds": cand_rounds, "round_order": orders} if base_rounds else {}
+        return Verdict(accepted=reason == VerdictReason.accepted, reason=reason, message=message, phase=phase, backend=backend,
+                       wall_s=now - started, phase_seconds=seconds, numerics_seed=round_inputs[0].seed,
+                       timing_seed=round_inputs[1].seed if len(round_inputs) > 1 else None,
+                       round_seeds=[r.seed for r in round_inputs[: max(len(orders), 1)]], **{**state, **timing, **fields})
 
     tampered = check_config(baseline.config, candidate.config)
     if tampered:
         return verdict(VerdictReason.tampered_inputs, tampered[0].message, "config", findings=tampered)
     candidate = Workload(root=candidate.root, config=baseline.config)
+    workloads = {"baseline": baseline, "candidate": candidate}
 
-    # --- numerics -----------------------------------------------------------------------------
     progress("numerics", 0, 2)
-    sides: dict[str, tuple[RunResult, ProbeReport, dict]] = {}
-    for done, (side, workload) in enumerate((("baseline", baseline), ("candidate", candidate)), start=1):
-        # each side writes into a directory of its own that is gone before the other side runs
-        with scratch_dir(f"trainbridge-gate-{side}-", work_dir) as tmp:
-            grads_path = tmp / "grads.pt"
-            run, report = run_probe(workload, backend=backend, seed=numerics_seed, batch_indices=batch_indices,
-                                    grads_path=grads_path, extra_env=extra_env, work_dir=work_dir)
-            failure = run.failure
-            grads = None
-            if failure is None:
-                try:
-                    grads = load_grads(grads_path)
-                except Exception as exc:  # missing or unreadable: whatever the child did, it is not a result
-                    failure = Failure(kind=FailureKind.crashed, message=f"the numerics run left no readable gradient file ({type(exc).__name__}: {exc})")
-        progress("numerics", done, 2)
-        if failure is not None:
-            if side == "baseline":
-                raise _baseline_failed("numerics check", failure)
-            return verdict(FAILURE_REASONS[failure.kind], _failure_message(failure, "the numerics check"),
-                           "numerics", failure=failure, baseline_versions=sides["baseline"][0].versions,
-                           candidate_versions=run.versions)
-        sides[side] = (run, report, grads)
-    (base_run, base_report, base_grads), (cand_run, cand_report, cand_grads) = sides["baseline"], sides["candidate"]
-    findings = check_probes(base_report, cand_report)
-    numerics = compare_numerics(base_report, cand_report, tolerance, baseline_grads=base_grads, candidate_grads=cand_grads)
-    versions = {"baseline_versions": base_run.versions, "candidate_versions": cand_run.versions}
-    if findings:
-        return verdict(VerdictReason(findings[0].kind.value), _findings_message(findings, numerics), "numerics",
-                       findings=findings, numerics=numerics, **versions)
-    if not numerics.passed:
-        return verdict(VerdictReason.numerics_mismatch, numerics.message, "numerics", numerics=numerics, **versions)
-    if emulated_speed:
-        return verdict(VerdictReason.speed_unmeasured_numerics_ok,
-                       f"{numerics.message}. Speed unmeasured: {backend} runs under emulation here; measure on hardware "
-                       "(`trainbridge verify`) before accepting.", "numerics", numerics=numerics, **versions)
-
-    # --- timing -------------------------------------------------------------------------------
-    marks["numerics_end"] = time.monotonic()
-    steps = steps_per_round or baseline.config.steps
-    timed = {"baseline": baseline.with_overrides(seed=timing_seed, steps=steps)}
-    timed["candidate"] = Workload(root=candidate.root, config=timed["baseline"].config)
-    base_rounds: list[list[float]] = []
-    cand_rounds: list[list[float]] = []
-    orders: list[str] = []
-    progress("timing", 0, rounds)
-    planned = rounds
-    index = 0
+    planned, index = rounds, 0
     while index < planned:
+        inputs = round_inputs[index]
         order = ("baseline", "candidate") if index % 2 == 0 else ("candidate", "baseline")
-        runs: dict[str, RunResult] = {}
+        where = "the numerics check" if index == 0 else f"timing round {index}"
+        phase = "numerics" if index == 0 else "timing"
+        sides: dict[str, SideRun] = {}
         for side in order:
-            run = run_workload(timed[side], backend=backend, mode="measure", extra_env=extra_env, work_dir=work_dir)
-            if run.failure is None and not run.step_times_s:
-                run.failure = Failure(kind=FailureKind.crashed, message="the run finished without any measured step time")
-            if run.failure is not None:
-                if side == "baseline":
-                    raise _baseline_failed(f"timing round {index}", run.failure)
-                return verdict(FAILURE_REASONS[run.failure.kind], _failure_message(run.failure, f"timing round {index}"),
-                               "timing", failure=run.failure, numerics=numerics, baseline_rounds=base_rounds,
-                               candidate_rounds=cand_rounds, round_order=orders, **versions)
-            runs[side] = run
+            sides[side] = run_side(workloads[side], inputs, backend=backend, extra_env=extra_env, work_dir=work_dir, label=side)
+            failure = sides[side].run.failure
+            if side == "baseline" and failure is not None:
+                raise _baseline_failed(where, failure)
+            if side == "candidate":
+                early = conduct.check_protocol(sides[side].run, where)
+                if early:
+                    return verdict(VerdictReason.tampered_harness, early[0].message, phase, findings=early, failure=failure)
+                if failure is not None:
+                    return verdict(FAILURE_REASONS[failure.kind], _failure_message(failure, where), phase, failure=failure,
+                                   candidate_versions=sides[side].run.versions)
+        base, cand = sides["baseline"], sides["candidate"]
+        state.update(baseline_versions=base.run.versions, candidate_versions=cand.run.versions)
+        found = judge_round(index, base, cand, tolerance, baseline.config.threads, where)
+        numerics = compare_numerics(base.report, cand.report, tolerance, baseline_grads=base.grads, candidate_grads=cand.grads)
+        if index == 0:
+            state["numerics"] = numerics
+        if found:
+            return verdict(VerdictReason(found[0].kind.value), _findings_message(found, numerics), phase, findings=found)
+        if not numerics.passed:
+            message = numerics.message if index == 0 else f"{where}: {numerics.message}"
+            return verdict(VerdictReason.numerics_mismatch, message, phase, **({} if index == 0 else {"numerics": numerics}))
+        if index == 0:
+            marks["numerics_end"] = time.monotonic()
+            progress("numerics", 2, 2)
+            if emulated_speed:
+                return verdict(VerdictReason.speed_unmeasured_numerics_ok,
+                               f"{numerics.message}. Speed unmeasured: {backend} runs under emulation here; measure on hardware "
+                               "(`trainbridge verify`) before accepting.", "numerics")
+            progress("timing", 0, rounds)
         orders.append("AB" if order[0] == "baseline" else "BA")
-        base_rounds.append(runs["baseline"].step_times_s)
-        cand_rounds.append(runs["candidate"].step_times_s)
+        base_rounds.append(base.run.step_times_s)
+        cand_rounds.append(cand.run.step_times_s)
         progress("timing", index + 1, planned)
-        gamed = check_timed_losses(index, runs["baseline"].losses, runs["candidate"].losses, tolerance.timed_loss_rtol, tolerance.loss_atol)
-        if gamed:
-            return verdict(VerdictReason.skipped_work, gamed[0].message, "timing", findings=gamed, numerics=numerics,
-                           baseline_rounds=base_rounds, candidate_rounds=cand_rounds, round_order=orders, **versions)
         index += 1
         if index == rounds and max_rounds > rounds and wants_more_rounds(decide_speed(base_rounds, cand_rounds, min_gain, confidence)):
             planned = max_rounds  # inconclusive, but a gain or loss of min_gain shows: the second look (stats.gate_decision)
+        if index < planned:
+            round_inputs.append(draw())
 
-    # --- decision -----------------------------------------------------------------------------
     speed = gate_decision(base_rounds, cand_rounds, first=rounds, min_gain=min_gain, confidence=confidence)
     reason = _SPEED_REASONS[speed.outcome]
-    return verdict(reason, f"{speed.message}; {numerics.message}", "done", speed=speed, ratio=speed.ratio,
-                   ratio_ci=(speed.ci_low, speed.ci_high), numerics=numerics, baseline_rounds=base_rounds,
-                   candidate_rounds=cand_rounds, round_order=orders, **versions)
+    return verdict(reason, f"{speed.message}; {state['numerics'].message}", "done", speed=speed, ratio=speed.ratio,
+                   ratio_ci=(speed.ci_low, speed.ci_high))
+
+
+def judge_round(index: int, base: SideRun, cand: SideRun, tolerance: NumericsTolerance, threads: int, where: str) -> list[Finding]:
+    """Every check of one round except the probe's numerics comparison, most telling first (empty: clean)."""
+    findings = conduct.check_clock(cand.run, where)
+    findings += conduct.check_replaced(base.run, cand.run, where)
+    findings += conduct.check_resources(base.run, cand.run, threads, where)
+    findings += conduct.check_written_files(set(base.written or []), cand.written or [], where)
+    if findings:
+        return findings
+    findings = check_probes(base.report, cand.report)
+    if findings:
+        return findings
+    timed_base = [*base.run.losses, *base.run.cooldown_losses]
+    timed_cand = [*cand.run.losses, *cand.run.cooldown_losses]
+    findings = check_timed_losses(index, timed_base, timed_cand, tolerance.timed_loss_rtol, tolerance.loss_atol)
+    if findings:
+        return findings
+    return check_timed_deltas(index, base.unchanged or [], cand.unchanged or [], base.deltas or {}, cand.deltas or {},
+                              tolerance.timed_delta_cosine_min, tolerance.timed_delta_norm_rtol)
 
 
 def _failure_message(failure: Failure, where: str) -> str:

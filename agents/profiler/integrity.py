@@ -10,7 +10,13 @@ baseline does not show counts. Findings come in two kinds:
   timed;
 - ``tampered_inputs``: the candidate changes what the gate feeds it: batch contents differ from
   the baseline's for the same seed and index, ``batch(i)`` is no longer repeatable, or the
-  workload configuration (seed, steps, threads, entry) differs.
+  workload configuration (seed, steps, threads, entry) differs;
+- ``tampered_timing``, ``tampered_resources``, ``tampered_harness``: how the candidate behaved while
+  it was timed, from the kernel's side and the control channel (`conduct`).
+
+The timed steps of every round are checked as hard as the probe: same seed and batches on both
+sides, so the loss of every timed step and each parameter's change over the timed steps must agree
+(`check_timed_run`); work done differently only when timed shows there.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from trainbridge.sandbox.workload import WorkloadConfig
 class FindingKind(StrEnum):
     skipped_work = "skipped_work"
     tampered_inputs = "tampered_inputs"
+    tampered_timing = "tampered_timing"
+    tampered_resources = "tampered_resources"
+    tampered_harness = "tampered_harness"
 
 
 class Finding(BaseModel):
@@ -97,8 +106,47 @@ def check_config(baseline: WorkloadConfig, candidate: WorkloadConfig) -> list[Fi
 
 
 def check_timed_losses(round_index: int, baseline: list[float], candidate: list[float], rtol: float, atol: float) -> list[Finding]:
-    """The timed runs of both sides used the same seed and steps, so their losses must agree too:
+    """The timed runs of both sides used the same seed and batches, so their losses must agree too:
     a candidate that only does the work when it is not being timed shows here."""
     problems = compare_losses(baseline, candidate, rtol, atol, what=f"loss of timed round {round_index}")
     return [Finding(kind=FindingKind.skipped_work, message=(
         f"the timed run computes something else than the checked run: {problems[0]}"))] if problems else []
+
+
+def check_timed_deltas(round_index: int, baseline_unchanged: list[str], candidate_unchanged: list[str],
+                       baseline_deltas: dict, candidate_deltas: dict, cosine_min: float, norm_rtol: float) -> list[Finding]:
+    """Each trainable parameter's change over the timed steps of one round, candidate against baseline
+    (same seed and batches): a parameter the baseline moves must move, in the same direction and by
+    about as much. Parameters whose baseline change is zero are not judged by direction."""
+    skipped = [n for n in candidate_unchanged if n not in set(baseline_unchanged) and n in baseline_deltas]
+    if skipped:
+        return [Finding(kind=FindingKind.skipped_work, message=(
+            f"timed round {round_index}: the timed steps left {len(skipped)} parameter(s) unchanged that the baseline's update "
+            f"({_names(skipped)}): work was skipped while timed"))]
+    missing = [n for n in baseline_deltas if n not in candidate_deltas]
+    if missing:
+        return [Finding(kind=FindingKind.skipped_work, message=(
+            f"timed round {round_index}: no change reported for {_names(missing)}, which the baseline trains"))]
+    worst = None
+    for name, base in baseline_deltas.items():
+        cand = candidate_deltas[name]
+        if tuple(base.shape) != tuple(cand.shape):
+            return [Finding(kind=FindingKind.skipped_work, message=(
+                f"timed round {round_index}: parameter {name!r} has shape {tuple(cand.shape)}, the baseline's {tuple(base.shape)}"))]
+        b, c = base.double().reshape(-1), cand.double().reshape(-1)
+        b_norm, c_norm = float(b.norm()), float(c.norm())
+        if b_norm == 0.0:
+            continue
+        cosine = float(b @ c) / (b_norm * c_norm) if c_norm > 0 else 0.0
+        norm_error = abs(c_norm - b_norm) / b_norm
+        if cosine < cosine_min or norm_error > norm_rtol:
+            score = min(cosine, 1.0 - norm_error)
+            if worst is None or score < worst[0]:
+                worst = (score, name, cosine, norm_error)
+    if worst is None:
+        return []
+    _, name, cosine, norm_error = worst
+    return [Finding(kind=FindingKind.skipped_work, message=(
+        f"timed round {round_index}: the timed steps change {name!r} differently from the baseline (cosine of the changes "
+        f"{cosine:.5f}, minimum {cosine_min}; size differs by {norm_error:.2%}, at most {norm_rtol:.0%}): the timed run "
+        "computes something else than the checked run"))]

@@ -25,6 +25,9 @@ class VerdictReason(StrEnum):
     speed_unmeasured_numerics_ok = "speed_unmeasured_numerics_ok"  # NPU emulation: numerics verified, speed needs hardware
     skipped_work = "skipped_work"  # gate-gaming: skipped or cached work, parameters not updated, work done only when not timed
     tampered_inputs = "tampered_inputs"  # gate-gaming: changed batch contents, seeds or the workload configuration
+    tampered_timing = "tampered_timing"  # gate-gaming: the child's own clock disagrees with the gate's (a rebound clock or sync)
+    tampered_resources = "tampered_resources"  # gate-gaming: more cores, a raised priority, processes that outlive the run
+    tampered_harness = "tampered_harness"  # gate-gaming: wrote into the control channel or into its worktree while judged
 
 
 FAILURE_REASONS: dict[FailureKind, VerdictReason] = {
@@ -59,7 +62,8 @@ class Verdict(BaseModel):
     findings: list[Finding] = Field(default_factory=list, description="gate-gaming signs")
     failure: Failure | None = Field(default=None, description="the candidate's failure, when it failed")
     numerics_seed: int | None = None
-    timing_seed: int | None = None
+    timing_seed: int | None = Field(default=None, description="the second round's seed (every round draws its own: round_seeds)")
+    round_seeds: list[int] = Field(default_factory=list, description="the seed both sides of each round were built and run with")
     baseline_versions: dict[str, str] = Field(default_factory=dict)
     candidate_versions: dict[str, str] = Field(default_factory=dict)
     wall_s: float = 0.0

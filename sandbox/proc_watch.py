@@ -1,0 +1,194 @@
+"""The kernel's view of a sandbox child, read by the parent from /proc (nothing the child can rebind).
+
+The gate does not believe what a child says about its own time or resources. This module reads, for
+a child and every process descended from it: CPU time (per thread, nanoseconds where the kernel
+keeps them), thread counts, scheduling priority (nice value and policy), and which processes are
+still alive. A process that escapes the child's process group (`setsid`, a double fork) would be
+reparented to init and lost; with `become_subreaper()` the parent receives such orphans instead,
+so they are found, counted and killed.
+
+Linux only: on other systems every reader returns None and the callers skip the checks that need
+it (and say so).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_PROC = Path("/proc")
+_PR_SET_CHILD_SUBREAPER = 36
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+SCHED_POLICIES = {0: "SCHED_OTHER", 1: "SCHED_FIFO", 2: "SCHED_RR", 3: "SCHED_BATCH", 5: "SCHED_IDLE", 6: "SCHED_DEADLINE"}
+_NORMAL_POLICIES = {0, 3, 5}  # other, batch, idle: none of them gains priority over a normal process
+
+
+def available() -> bool:
+    return (_PROC / "self" / "stat").exists()
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux >= 3.4). True when set."""
+    if not available():
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    state: str
+    cpu_ns: int  # user + system time of all its threads, live and exited (clock-tick resolution)
+    nice: int
+    threads: int
+    policy: int
+    start_ticks: int
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    """/proc/<pid>/stat, parsed (None when the process is gone)."""
+    try:
+        text = (_PROC / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # the command name may contain spaces and parentheses: split after the last ')'
+    rest = text[text.rindex(")") + 2:].split()
+    # rest[0] is field 3 (state); field n is rest[n - 3]
+    utime, stime = int(rest[11]), int(rest[12])
+    return ProcStat(pid=pid, ppid=int(rest[1]), pgid=int(rest[2]), sid=int(rest[3]), state=rest[0],
+                    cpu_ns=(utime + stime) * 1_000_000_000 // _TICKS, nice=int(rest[16]), threads=int(rest[17]),
+                    policy=int(rest[38]) if len(rest) > 38 else 0, start_ticks=int(rest[19]))
+
+
+def thread_cpu_ns(pid: int) -> int | None:
+    """CPU time of the live threads of `pid` in nanoseconds (schedstat), or None."""
+    total = 0
+    try:
+        tasks = list((_PROC / str(pid) / "task").iterdir())
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    for task in tasks:
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError, PermissionError, ValueError, IndexError):
+            continue
+    return total
+
+
+def thread_policies(pid: int) -> list[tuple[int, int]]:
+    """(nice, policy) of every live thread of `pid` (a thread's priority can differ from its process's)."""
+    out = []
+    try:
+        tasks = list((_PROC / str(pid) / "task").iterdir())
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return out
+    for task in tasks:
+        try:
+            text = (task / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        rest = text[text.rindex(")") + 2:].split()
+        out.append((int(rest[16]), int(rest[38]) if len(rest) > 38 else 0))
+    return out
+
+
+def all_stats() -> list[ProcStat]:
+    stats = []
+    for entry in _PROC.iterdir():
+        if entry.name.isdigit():
+            stat = read_stat(int(entry.name))
+            if stat is not None:
+                stats.append(stat)
+    return stats
+
+
+def descendants(root_pid: int, *, reaper_pid: int | None = None, since_ticks: int | None = None) -> list[ProcStat]:
+    """Processes descended from `root_pid` (not itself): by parent links, by its session and process
+    group, and (with `reaper_pid`, the subreaper) orphans reparented to the reaper that started after
+    `since_ticks` (the child's start) and are not the root."""
+    stats = all_stats()
+    by_parent: dict[int, list[ProcStat]] = {}
+    for stat in stats:
+        by_parent.setdefault(stat.ppid, []).append(stat)
+    found: dict[int, ProcStat] = {}
+    frontier = [root_pid]
+    if reaper_pid is not None:
+        for stat in by_parent.get(reaper_pid, []):
+            if stat.pid != root_pid and (since_ticks is None or stat.start_ticks >= since_ticks):
+                found[stat.pid] = stat
+                frontier.append(stat.pid)
+    for stat in stats:
+        if stat.pid != root_pid and (stat.sid == root_pid or stat.pgid == root_pid):
+            found[stat.pid] = stat
+            frontier.append(stat.pid)
+    while frontier:
+        pid = frontier.pop()
+        for stat in by_parent.get(pid, []):
+            if stat.pid not in found and stat.pid != root_pid:
+                found[stat.pid] = stat
+                frontier.append(stat.pid)
+    return [s for s in found.values() if s.state != "Z"]
+
+
+def kill_all(stats: list[ProcStat]) -> None:
+    for stat in stats:
+        try:
+            os.kill(stat.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def reap_orphans() -> None:
+    """Collect exited orphans handed to this process as subreaper (never blocks)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+@dataclass
+class TreeSample:
+    """One reading of a child's process tree."""
+
+    cpu_ns: int  # the child (live and exited threads) plus its live descendants
+    child_threads: int
+    helper_cpu_ns: int = 0  # the live descendants alone
+    descendants: list[int] = field(default_factory=list)
+    raised_priority: list[str] = field(default_factory=list)
+
+
+def sample_tree(pid: int, *, base_nice: int, reaper_pid: int | None, since_ticks: int | None) -> TreeSample | None:
+    stat = read_stat(pid)
+    if stat is None:
+        return None
+    live = thread_cpu_ns(pid)
+    cpu = max(stat.cpu_ns, live or 0)
+    kids = descendants(pid, reaper_pid=reaper_pid, since_ticks=since_ticks)
+    helpers = sum(k.cpu_ns for k in kids)
+    cpu += helpers
+    raised = []
+    for nice, policy in thread_policies(pid):
+        if nice < base_nice:
+            raised.append(f"a thread of the child runs at nice {nice} (the gate starts it at {base_nice})")
+        if policy not in _NORMAL_POLICIES:
+            raised.append(f"a thread of the child runs under {SCHED_POLICIES.get(policy, policy)}")
+    for kid in kids:
+        if kid.nice < base_nice:
+            raised.append(f"process {kid.pid} runs at nice {kid.nice}")
+        if kid.policy not in _NORMAL_POLICIES:
+            raised.append(f"process {kid.pid} runs under {SCHED_POLICIES.get(kid.policy, kid.policy)}")
+    return TreeSample(cpu_ns=cpu, child_threads=stat.threads, helper_cpu_ns=helpers, descendants=[k.pid for k in kids], raised_priority=sorted(set(raised)))
