@@ -379,8 +379,10 @@ def test_gate_times_an_equivalent_rewrite_in_alternating_rounds():
 def test_gate_catches_work_skipped_only_when_timed():
     verdict = gate("tiny_skips_when_timed", rounds=3, steps_per_round=3)
     assert verdict.numerics.passed  # honest when checked ...
-    assert verdict.reason == VerdictReason.skipped_work and verdict.phase == "timing"  # ... not when timed
-    assert len(verdict.baseline_rounds) == 1 and "timed run computes something else" in verdict.message
+    # ... not when timed: every round's timed steps are checked like the probe, the first round's included
+    assert verdict.reason == VerdictReason.skipped_work and verdict.phase == "numerics"
+    assert "timed" in verdict.findings[0].message
+    assert verdict.baseline_rounds == [] and "timed run computes something else" in verdict.message  # no round counted
 
 
 def test_calibration_measures_the_baseline_drift_across_thread_counts():

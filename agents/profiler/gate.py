@@ -191,8 +191,10 @@ def run_gate(
         for side in order:
             sides[side] = run_side(workloads[side], inputs, backend=backend, extra_env=extra_env, work_dir=work_dir, label=side)
             failure = sides[side].run.failure
+            if index == 0:
+                progress("numerics", len(sides), 2)
             if side == "baseline" and failure is not None:
-                raise _baseline_failed(where, failure)
+                raise _baseline_failed(where.removeprefix("the "), failure)
             if side == "candidate":
                 early = conduct.check_protocol(sides[side].run, where)
                 if early:
@@ -202,7 +204,7 @@ def run_gate(
                                    candidate_versions=sides[side].run.versions)
         base, cand = sides["baseline"], sides["candidate"]
         state.update(baseline_versions=base.run.versions, candidate_versions=cand.run.versions)
-        found = judge_round(index, base, cand, tolerance, baseline.config.threads, where)
+        found = judge_conduct(base, cand, baseline.config.threads, where)
         numerics = compare_numerics(base.report, cand.report, tolerance, baseline_grads=base.grads, candidate_grads=cand.grads)
         if index == 0:
             state["numerics"] = numerics
@@ -211,9 +213,11 @@ def run_gate(
         if not numerics.passed:
             message = numerics.message if index == 0 else f"{where}: {numerics.message}"
             return verdict(VerdictReason.numerics_mismatch, message, phase, **({} if index == 0 else {"numerics": numerics}))
+        found = judge_timed(index, base, cand, tolerance)
+        if found:
+            return verdict(VerdictReason(found[0].kind.value), _findings_message(found, numerics), phase, findings=found)
         if index == 0:
             marks["numerics_end"] = time.monotonic()
-            progress("numerics", 2, 2)
             if emulated_speed:
                 return verdict(VerdictReason.speed_unmeasured_numerics_ok,
                                f"{numerics.message}. Speed unmeasured: {backend} runs under emulation here; measure on hardware "
@@ -235,24 +239,22 @@ def run_gate(
                    ratio_ci=(speed.ci_low, speed.ci_high))
 
 
-def judge_round(index: int, base: SideRun, cand: SideRun, tolerance: NumericsTolerance, threads: int, where: str) -> list[Finding]:
-    """Every check of one round except the probe's numerics comparison, most telling first (empty: clean)."""
+def judge_conduct(base: SideRun, cand: SideRun, threads: int, where: str) -> list[Finding]:
+    """How the candidate behaved while judged, and gate-gaming signs in its probe (empty: clean)."""
     findings = conduct.check_clock(cand.run, where)
     findings += conduct.check_replaced(base.run, cand.run, where)
     findings += conduct.check_resources(base.run, cand.run, threads, where)
     findings += conduct.check_written_files(set(base.written or []), cand.written or [], where)
-    if findings:
-        return findings
-    findings = check_probes(base.report, cand.report)
-    if findings:
-        return findings
+    return findings or check_probes(base.report, cand.report)
+
+
+def judge_timed(index: int, base: SideRun, cand: SideRun, tolerance: NumericsTolerance) -> list[Finding]:
+    """The timed steps against the baseline's: every loss, and each parameter's change (empty: clean)."""
     timed_base = [*base.run.losses, *base.run.cooldown_losses]
     timed_cand = [*cand.run.losses, *cand.run.cooldown_losses]
     findings = check_timed_losses(index, timed_base, timed_cand, tolerance.timed_loss_rtol, tolerance.loss_atol)
-    if findings:
-        return findings
-    return check_timed_deltas(index, base.unchanged or [], cand.unchanged or [], base.deltas or {}, cand.deltas or {},
-                              tolerance.timed_delta_cosine_min, tolerance.timed_delta_norm_rtol)
+    return findings or check_timed_deltas(index, base.unchanged or [], cand.unchanged or [], base.deltas or {}, cand.deltas or {},
+                                          tolerance.timed_delta_cosine_min, tolerance.timed_delta_norm_rtol)
 
 
 def _failure_message(failure: Failure, where: str) -> str:
