@@ -15,7 +15,9 @@
    processes that outlive it, files written into its worktree); gate-gaming signs in its probe
    (`integrity.check_probes`); the probe's gradients and losses (`numerics`); the losses of every
    timed step and each parameter's change over them against the baseline's (the timed steps are
-   checked as hard as the probe). The first round's numerics are the verdict's numerics; with
+   checked as hard as the probe), at tolerances no tighter than ten times the baseline's own drift
+   (the first round also runs the baseline under another thread count: `drift`). The first round's
+   numerics are the verdict's numerics; with
    ``emulated_speed`` (NPU emulation on a host without an NPU) the gate stops after it:
    ``speed_unmeasured_numerics_ok``.
 4. **Decision** on the per-round medians of the parent-timed measured steps (`stats.gate_decision`):
@@ -34,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainbridge.agents.profiler import conduct
+from trainbridge.agents.profiler.drift import MARGIN as DRIFT_MARGIN
+from trainbridge.agents.profiler.drift import GateDrift, timed_drift, widen_for_drift
 from trainbridge.agents.profiler.integrity import Finding, check_config, check_probes, check_timed_deltas, check_timed_losses
 from trainbridge.agents.profiler.numerics import NumericsResult, NumericsTolerance, compare_numerics, load_grads
 from trainbridge.agents.profiler.probe_report import ProbeReport, ProbeReportError
@@ -205,6 +209,9 @@ def run_gate(
         base, cand = sides["baseline"], sides["candidate"]
         state.update(baseline_versions=base.run.versions, candidate_versions=cand.run.versions)
         found = judge_conduct(base, cand, baseline.config.threads, where)
+        if index == 0 and not found:
+            state["drift"] = measure_drift(baseline, base, inputs, tolerance, backend=backend, extra_env=extra_env, work_dir=work_dir)
+            tolerance = state["drift"].tolerance
         numerics = compare_numerics(base.report, cand.report, tolerance, baseline_grads=base.grads, candidate_grads=cand.grads)
         if index == 0:
             state["numerics"] = numerics
@@ -237,6 +244,22 @@ def run_gate(
     reason = _SPEED_REASONS[speed.outcome]
     return verdict(reason, f"{speed.message}; {state['numerics'].message}", "done", speed=speed, ratio=speed.ratio,
                    ratio_ci=(speed.ci_low, speed.ci_high))
+
+
+def measure_drift(baseline: Workload, base: SideRun, inputs: RoundInputs, tolerance: NumericsTolerance, *, backend: str,
+                  extra_env: dict[str, str] | None, work_dir: Path | None) -> GateDrift:
+    """The baseline once more on the round's inputs under another thread count: its drift from itself
+    widens the tolerances (agents/profiler/drift.py)."""
+    threads = 1 if baseline.config.threads > 1 else 2
+    ref = run_side(baseline.with_overrides(threads=threads), inputs, backend=backend, extra_env=extra_env, work_dir=work_dir,
+                   label="reference")
+    if ref.run.failure is not None:
+        raise _baseline_failed(f"reference run with {threads} thread(s)", ref.run.failure)
+    probe = compare_numerics(base.report, ref.report, tolerance, baseline_grads=base.grads, candidate_grads=ref.grads)
+    timed = timed_drift([*base.run.losses, *base.run.cooldown_losses], [*ref.run.losses, *ref.run.cooldown_losses],
+                        base.deltas or {}, ref.deltas or {})
+    return GateDrift(perturbation=f"threads={threads} vs {baseline.config.threads}", probe=probe, timed=timed, margin=DRIFT_MARGIN,
+                     tolerance=widen_for_drift(tolerance, probe, timed, DRIFT_MARGIN))
 
 
 def judge_conduct(base: SideRun, cand: SideRun, threads: int, where: str) -> list[Finding]:

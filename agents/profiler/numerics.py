@@ -38,7 +38,8 @@ class NumericsTolerance(BaseModel):
     grad_atol: float = Field(default=1e-7, ge=0.0)
     loss_rtol: float = Field(default=1e-4, ge=0.0)
     loss_atol: float = Field(default=1e-6, ge=0.0)
-    timed_loss_rtol: float = Field(default=1e-3, ge=0.0, description="losses of the timed steps of both sides (longer runs drift more)")
+    timed_loss_rtol: float = Field(default=1e-4, ge=0.0, description="losses of the timed steps of both sides: the probe's tolerance "
+                                   "unless the baseline's own drift widens it (agents/profiler/drift.py)")
     timed_delta_cosine_min: float = Field(default=0.99, gt=0.0, le=1.0, description="per parameter: cosine of its change over the timed "
                                           "steps, candidate vs baseline")
     timed_delta_norm_rtol: float = Field(default=0.1, ge=0.0, description="per parameter: relative difference of the size of that change")

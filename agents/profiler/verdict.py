@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from trainbridge.agents.profiler.drift import GateDrift
 from trainbridge.agents.profiler.integrity import Finding
 from trainbridge.agents.profiler.numerics import NumericsResult
 from trainbridge.agents.profiler.stats import SpeedDecision
@@ -59,6 +60,8 @@ class Verdict(BaseModel):
     ratio_ci: tuple[float, float] | None = None
     speed: SpeedDecision | None = None
     numerics: NumericsResult | None = None
+    drift: GateDrift | None = Field(default=None, description="the baseline against itself under another thread count, and the "
+                                    "tolerances that allowed")
     findings: list[Finding] = Field(default_factory=list, description="gate-gaming signs")
     failure: Failure | None = Field(default=None, description="the candidate's failure, when it failed")
     numerics_seed: int | None = None

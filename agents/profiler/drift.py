@@ -1,0 +1,69 @@
+"""The baseline's own drift, measured inside the gate, and the tolerances it allows (parent side).
+
+Two honest programs that differ only in rounding drift apart as they train: hardly at all for a
+transformer on fp32 (1e-7 after a dozen steps), by percents for a small CNN with batch norm. The
+gate's first round therefore runs the baseline a second time on the same seed and batches with
+another thread count (reductions split differently: rounding changes, the math does not) and
+widens every tolerance to `margin` times what it sees: the probe's (`numerics.widen_tolerance`)
+and the timed steps' losses and parameter changes. A candidate is never asked to be closer to the
+baseline than the baseline is to itself; where the baseline is stable, the tolerances stay tight.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict
+
+from trainbridge.agents.profiler.numerics import NumericsResult, NumericsTolerance, rel_diff, widen_tolerance
+
+MARGIN = 10.0
+
+
+class TimedDrift(BaseModel):
+    """How far two runs on the same inputs ended apart over their timed steps."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    loss_max_rel_diff: float
+    delta_cosine_min: float
+    delta_norm_max_rel_diff: float
+
+
+class GateDrift(BaseModel):
+    """What the reference run showed, and the tolerances the gate used after it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    perturbation: str
+    probe: NumericsResult
+    timed: TimedDrift
+    margin: float
+    tolerance: NumericsTolerance
+
+
+def timed_drift(base_losses: list[float], other_losses: list[float], base_deltas: dict, other_deltas: dict) -> TimedDrift:
+    pairs = [(b, o) for b, o in zip(base_losses, other_losses) if math.isfinite(b) and math.isfinite(o)]
+    loss = max((rel_diff(b, o) for b, o in pairs), default=0.0)
+    cosine, norm = 1.0, 0.0
+    for name, base in base_deltas.items():
+        other = other_deltas.get(name)
+        if other is None or tuple(other.shape) != tuple(base.shape):
+            continue
+        b, o = base.double().reshape(-1), other.double().reshape(-1)
+        b_norm, o_norm = float(b.norm()), float(o.norm())
+        if b_norm == 0.0 or o_norm == 0.0:
+            continue
+        cosine = min(cosine, float(b @ o) / (b_norm * o_norm))
+        norm = max(norm, abs(o_norm - b_norm) / b_norm)
+    return TimedDrift(loss_max_rel_diff=loss, delta_cosine_min=cosine, delta_norm_max_rel_diff=norm)
+
+
+def widen_for_drift(base: NumericsTolerance, probe: NumericsResult, timed: TimedDrift, margin: float = MARGIN) -> NumericsTolerance:
+    """`base`, widened to `margin` times the drift of the probe and of the timed steps (never tightened)."""
+    widened = widen_tolerance(base, [probe], margin)
+    return widened.model_copy(update={
+        "timed_loss_rtol": max(widened.timed_loss_rtol, margin * timed.loss_max_rel_diff),
+        "timed_delta_cosine_min": max(min(widened.timed_delta_cosine_min, 1.0 - margin * (1.0 - timed.delta_cosine_min)), 1e-6),
+        "timed_delta_norm_rtol": max(widened.timed_delta_norm_rtol, margin * timed.delta_norm_max_rel_diff),
+    })
