@@ -67,7 +67,7 @@ def analyze_repo(
     root = workload.root
 
     with _timed("static_scan", timings, on_phase):
-        scanned = scan_repo_result(root)
+        scanned = scan_repo_result(root, target=backend)
     skipped = [f"{s.file}: {s.reason}" for s in scanned.skipped]
     if static_only:
         intents = align(scanned.intents)

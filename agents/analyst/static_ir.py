@@ -182,6 +182,7 @@ class _Builder:
             if isinstance(node, cst.For):
                 self.unbind(node.target, env)
             scope.loop_ops.setdefault(id(node), set())
+            scope.loop_lines[id(node)] = self.lines(node)
             self.block(node.body.body, env, scope, loops + (node,), periodic)
             if node.orelse is not None:
                 self.block(node.orelse.body.body, env, scope, loops, periodic)

@@ -87,6 +87,7 @@ class Scope:
     returns: list[Expr] = field(default_factory=list)
     ops: set[str] = field(default_factory=set)  # op names and dotted callees called in the scope
     loop_ops: dict[int, set[str]] = field(default_factory=dict)  # id(loop node) -> ops called in it
+    loop_lines: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(loop node) -> (first, last line)
 
     @property
     def tensor_params(self) -> list[str]:

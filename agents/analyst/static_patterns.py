@@ -16,10 +16,12 @@ from trainbridge.records import IntentCategory
 
 from .static_activations import gelu, gelu_shape, geglu, rope, silu, silu_form, swiglu
 from .static_attention import attention, cross_entropy, softmax
+from .static_chains import blend, relu_squared, scale_and_shift, soft_cap
 from .static_forms import activation_of, rotate_half_inline
 from .static_layout import permute_reshape, redundant_cast
 from .static_match import Ctx, Expr, Found, Helper, RepoIndex, is_param
 from .static_norms import layernorm, normalize, rmsnorm
+from .static_rotary import rope_rotation
 
 
 def classify_helper(index: RepoIndex, helper: Helper) -> str | None:
@@ -55,6 +57,7 @@ def classify_helper(index: RepoIndex, helper: Helper) -> str | None:
 class ExprPattern:
     category: IntentCategory
     match: Callable[[Ctx, Expr], Found | None]
+    gain: str | None = None  # reported only for targets listing this gain (static_targets.GAINS); None: always
 
 
 # Order matters only when two patterns match at the same expression: the earlier one wins.
@@ -64,6 +67,7 @@ EXPRESSION_PATTERNS: tuple[ExprPattern, ...] = (
     ExprPattern(IntentCategory.layernorm, layernorm),
     ExprPattern(IntentCategory.rmsnorm, rmsnorm),
     ExprPattern(IntentCategory.rope, rope),
+    ExprPattern(IntentCategory.rope, rope_rotation),
     ExprPattern(IntentCategory.swiglu, swiglu),
     ExprPattern(IntentCategory.geglu, geglu),
     ExprPattern(IntentCategory.gelu, gelu),
@@ -72,4 +76,8 @@ EXPRESSION_PATTERNS: tuple[ExprPattern, ...] = (
     ExprPattern(IntentCategory.normalize, normalize),
     ExprPattern(IntentCategory.permute_reshape, permute_reshape),
     ExprPattern(IntentCategory.redundant_cast, redundant_cast),
+    ExprPattern(IntentCategory.elementwise_chain, relu_squared, gain="elementwise_chain"),
+    ExprPattern(IntentCategory.elementwise_chain, soft_cap, gain="elementwise_chain"),
+    ExprPattern(IntentCategory.elementwise_chain, scale_and_shift, gain="elementwise_chain"),
+    ExprPattern(IntentCategory.elementwise_chain, blend, gain="elementwise_chain"),
 )

@@ -39,11 +39,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from trainbridge.records import Intent
 
 from .static_ir import build_file_model
+from .static_library import TARGET_RULES
+from .static_loops import LOOP_RULES
 from .static_model import FileModel, StaticScanError
 from .static_match import Ctx, Match, RepoIndex
 from .static_patterns import EXPRESSION_PATTERNS, classify_helper
 from .static_resolve import build_intents
 from .static_rules import PROGRAM_RULES
+from .static_targets import gains_for
 
 __all__ = ["StaticScanError", "StaticScanResult", "SkippedFile", "scan_repo", "scan_repo_result", "scan_source"]
 
@@ -71,14 +74,15 @@ class StaticScanResult(BaseModel):
     files: list[str] = Field(default_factory=list, description="the repo-relative files that were scanned")
 
 
-def _expression_matches(index: RepoIndex, file: FileModel) -> list[Match]:
+def _expression_matches(index: RepoIndex, file: FileModel, gains: frozenset[str]) -> list[Match]:
     matches = []
+    patterns = [(i, p) for i, p in enumerate(EXPRESSION_PATTERNS) if p.gain is None or p.gain in gains]
     for scope in file.scopes:
         for root in scope.roots:
             for expr in root.walk():
                 if expr.kind != "call":  # every operation is a call; names are followed by the patterns
                     continue
-                for priority, p in enumerate(EXPRESSION_PATTERNS):
+                for priority, p in patterns:
                     ctx = Ctx(index, file, scope)
                     found = p.match(ctx, expr)
                     if found:
@@ -86,24 +90,33 @@ def _expression_matches(index: RepoIndex, file: FileModel) -> list[Match]:
     return matches
 
 
-def scan_models(files: dict[str, FileModel]) -> list[Intent]:
-    """Intents of already-parsed files (keys: repo-relative POSIX paths)."""
+def scan_models(files: dict[str, FileModel], target: str | None = None) -> list[Intent]:
+    """Intents of already-parsed files (keys: repo-relative POSIX paths).
+
+    ``target`` ('npu', 'cuda', 'cpu' or None) adds the findings that are a gain only there
+    (static_targets.GAINS); None reports the target-independent ones.
+    """
+    gains = gains_for(target)
     index = RepoIndex(files, classify_helper)
+    models = list(files.values())
     matches: list[Match] = []
-    for file in files.values():
-        matches += _expression_matches(index, file)
-    for rule in PROGRAM_RULES:
-        matches += rule(list(files.values()))
+    for file in models:
+        matches += _expression_matches(index, file, gains)
+    for rule in PROGRAM_RULES + LOOP_RULES:
+        matches += rule(models)
+    for gain, rule in TARGET_RULES:
+        if gain in gains:
+            matches += rule(models)
     return build_intents(matches)
 
 
-def scan_source(code: str, relpath: str) -> list[Intent]:
+def scan_source(code: str, relpath: str, target: str | None = None) -> list[Intent]:
     """Intents of one file's source. Raises StaticScanError when it does not parse.
 
     Rules that look at the whole repository (conv_layout's "channels_last anywhere", helper
     functions imported from other files) see only this file.
     """
-    return scan_models({relpath: build_file_model(code, relpath)})
+    return scan_models({relpath: build_file_model(code, relpath)}, target)
 
 
 def _discover(root: Path) -> list[Path]:
@@ -128,9 +141,13 @@ def _relpath(root: Path, path: Path) -> str:
 
 
 def scan_repo_result(
-    root: Path, files: list[Path] | None = None, *, on_syntax_error: Literal["skip", "raise"] = "skip"
+    root: Path,
+    files: list[Path] | None = None,
+    *,
+    on_syntax_error: Literal["skip", "raise"] = "skip",
+    target: str | None = None,
 ) -> StaticScanResult:
-    """Scan ``files`` (absolute or relative to ``root``; default: the repository's sources)."""
+    """Scan ``files`` (absolute or relative to ``root``; default: the repository's sources) for ``target``."""
     root = Path(root).resolve()
     if not root.is_dir():
         raise FileNotFoundError(f"repository root {root} is not a directory")
@@ -155,11 +172,15 @@ def scan_repo_result(
                 raise
             skipped.append(SkippedFile(file=rel, reason=str(exc)))
             log.warning("static scan skipped %s", exc)
-    return StaticScanResult(intents=scan_models(models), skipped=skipped, files=sorted(models))
+    return StaticScanResult(intents=scan_models(models, target), skipped=skipped, files=sorted(models))
 
 
 def scan_repo(
-    root: Path, files: list[Path] | None = None, *, on_syntax_error: Literal["skip", "raise"] = "skip"
+    root: Path,
+    files: list[Path] | None = None,
+    *,
+    on_syntax_error: Literal["skip", "raise"] = "skip",
+    target: str | None = None,
 ) -> list[Intent]:
     """Intents of a repository's sources; see the module docstring for what is read and skipped."""
-    return scan_repo_result(root, files, on_syntax_error=on_syntax_error).intents
+    return scan_repo_result(root, files, on_syntax_error=on_syntax_error, target=target).intents

@@ -1,0 +1,90 @@
+"""Static pattern: rotary embedding written as a 2x2 rotation of the two halves.
+
+    x1, x2 = x.chunk(2, dim=-1)            # or x[..., :d], x[..., d:]
+    y1 = x1 * cos + x2 * sin
+    y2 = x1 * (-sin) + x2 * cos            # or x2 * cos - x1 * sin, terms in any order
+    return torch.cat([y1, y2], -1)         # or torch.stack(...)
+
+``y = [[a, b], [c, d]] @ [x1, x2]`` is a rotation when ``d`` is ``a`` and ``c`` is ``-b`` (or the
+mirror image): the rotate-half convention of ``npu_rotary_mul(x, cos, sin, 'half')``, up to the
+sign of the angle.
+"""
+
+from __future__ import annotations
+
+from .static_forms import const_product, halves_of, tensor_factors
+from .static_match import Ctx, Expr, Found, call, factors, follow, pattern, same, terms
+
+
+@pattern
+def _linear_in_halves(ctx: Ctx, e: Expr) -> list[tuple[Expr, Expr, int]] | None:
+    """``e`` = h1 * c1 + h2 * c2 (signs allowed): [(factor, factor, sign)] per term, or None."""
+    parts = terms(ctx, e)
+    if len(parts) != 2:
+        return None
+    out = []
+    for term, sign in parts:
+        fs = factors(ctx, term)
+        tensors = tensor_factors(fs)
+        if len(tensors) != 2 or any(p != 1 for _, p in tensors):
+            return None
+        scale = const_product([f for f in fs if f not in tensors])
+        if scale is None or abs(abs(scale) - 1.0) > 1e-9:
+            return None
+        out.append((tensors[0][0], tensors[1][0], sign * (1 if scale > 0 else -1)))
+    return out
+
+
+def _split(ctx: Ctx, rows: list[list[tuple[Expr, Expr, int]]]) -> bool:
+    """Some choice of the half factor in each term makes both rows use the same two halves."""
+    (a0, a1, _), (b0, b1, _) = rows[0]
+    for h1, c1 in ((a0, a1), (a1, a0)):
+        for h2, c2 in ((b0, b1), (b1, b0)):
+            for first, second in ((h1, h2), (h2, h1)):
+                mark = ctx.mark()
+                if halves_of(ctx, first, second) is None:
+                    ctx.rollback(mark)
+                    continue
+                table = {}
+                ok = True
+                for row in rows:
+                    entry = {}
+                    for f0, f1, sign in row:
+                        if same(f0, first) or same(f0, second):
+                            half, coeff = f0, f1
+                        elif same(f1, first) or same(f1, second):
+                            half, coeff = f1, f0
+                        else:
+                            ok = False
+                            break
+                        entry["first" if same(half, first) else "second"] = (coeff, sign)
+                    if not ok or len(entry) != 2:
+                        ok = False
+                        break
+                    table[len(table)] = entry
+                if ok and _rotation(table[0], table[1]):
+                    return True
+                ctx.rollback(mark)
+    return False
+
+
+def _rotation(r1: dict, r2: dict) -> bool:
+    (a, sa), (b, sb) = r1["first"], r1["second"]
+    (c, sc), (d, sd) = r2["first"], r2["second"]
+    return same(a, d) and sa == sd and same(b, c) and sb == -sc
+
+
+@pattern
+def rope_rotation(ctx: Ctx, e: Expr) -> Found | None:
+    joined = call(ctx, e, "cat", "concat", "concatenate", "stack")
+    if joined is None or not joined.args:
+        return None
+    parts = follow(ctx, joined.args[0])
+    if parts.kind != "tuple" or len(parts.args) != 2:
+        return None
+    rows = [_linear_in_halves(ctx, p) for p in parts.args]
+    if any(r is None for r in rows) or not _split(ctx, rows):
+        return None
+    how = "interleaved (stack)" if joined.op == "stack" else "rotate-half (cat)"
+    return Found(0.55, f"rotary embedding written out as a rotation of the two halves, {how}: "
+                       "cat(x1*cos + x2*sin, x2*cos - x1*sin)")
