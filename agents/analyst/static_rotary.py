@@ -5,15 +5,37 @@
     y2 = x1 * (-sin) + x2 * cos            # or x2 * cos - x1 * sin, terms in any order
     return torch.cat([y1, y2], -1)         # or torch.stack(...)
 
-``y = [[a, b], [c, d]] @ [x1, x2]`` is a rotation when ``d`` is ``a`` and ``c`` is ``-b`` (or the
-mirror image): the rotate-half convention of ``npu_rotary_mul(x, cos, sin, 'half')``, up to the
-sign of the angle.
+``y = [[a, b], [c, d]] @ [x1, x2]`` is a rotation when ``d`` is ``a`` and ``c`` is ``-b``, with the
+two output halves in either order (the same permutation of q and k leaves q.k unchanged): the
+rotate-half convention of ``npu_rotary_mul(x, cos, sin, 'half')`` up to the sign of the angle.
+Interleaved halves (``x[..., ::2]``, ``x[..., 1::2]``) joined by ``torch.stack`` are the pairwise
+convention ('interleave').
 """
 
 from __future__ import annotations
 
 from .static_forms import const_product, halves_of, tensor_factors
-from .static_match import Ctx, Expr, Found, call, factors, follow, pattern, same, terms
+from .static_match import Ctx, Expr, Found, call, factors, follow, is_const, pattern, same, terms
+
+
+@pattern
+def _pair_of(ctx: Ctx, first: Expr, second: Expr) -> Expr | None:
+    """The two halves of one tensor: contiguous (x[..., :d], x[..., d:], chunk) or interleaved (x[..., ::2], x[..., 1::2])."""
+    whole = halves_of(ctx, first, second)
+    if whole is not None:
+        return whole
+    a, b = follow(ctx, first), follow(ctx, second)
+    if a.kind != "subscript" or b.kind != "subscript" or not a.value or not b.value or not same(a.args[0], b.args[0]):
+        return None
+    (ka, lo_a, hi_a, st_a, *_), (kb, lo_b, hi_b, st_b, *_) = (*a.value[-1], None), (*b.value[-1], None)
+    if ka != "slice" or kb != "slice" or hi_a is not None or hi_b is not None:
+        return None
+    if st_a is None or st_b is None or not (is_const(st_a, 2.0) and is_const(st_b, 2.0)):
+        return None
+    if (lo_a is None or is_const(lo_a, 0.0)) and lo_b is not None and is_const(lo_b, 1.0):
+        ctx.core += [a, b]
+        return a.args[0]
+    return None
 
 
 @pattern
@@ -42,7 +64,7 @@ def _split(ctx: Ctx, rows: list[list[tuple[Expr, Expr, int]]]) -> bool:
         for h2, c2 in ((b0, b1), (b1, b0)):
             for first, second in ((h1, h2), (h2, h1)):
                 mark = ctx.mark()
-                if halves_of(ctx, first, second) is None:
+                if _pair_of(ctx, first, second) is None:
                     ctx.rollback(mark)
                     continue
                 table = {}
@@ -62,7 +84,7 @@ def _split(ctx: Ctx, rows: list[list[tuple[Expr, Expr, int]]]) -> bool:
                         ok = False
                         break
                     table[len(table)] = entry
-                if ok and _rotation(table[0], table[1]):
+                if ok and (_rotation(table[0], table[1]) or _rotation(table[1], table[0])):
                     return True
                 ctx.rollback(mark)
     return False

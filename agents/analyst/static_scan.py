@@ -13,10 +13,21 @@ lower confidence), zero_grad (set_to_none=False or
 per-tensor p.grad.zero_()), host_sync (.item()/.cpu()/.tolist() once per training step) and
 conv_layout (a conv net without channels_last anywhere in the scanned files).
 
+Real-code forms: rotary as a rotation of the two halves (``static_rotary``), RMSNorm as
+``F.normalize(x) * sqrt(d)``, per-parameter update loops of Muon-style optimizers and gradient
+scaling (``static_loops``), optimizers whose fused/foreach is on only for CUDA (through a variable
+or ``**kwargs``), host syncs in a step loop that holds a micro-batch or ``for opt in optimizers``
+loop.
+
+Target-aware findings (``target=``, see ``static_targets``): for ``npu`` the library calls that
+are one kernel on CUDA but not on the NPU (``static_library``: SDPA / flash-attn / flex attention,
+``F.rms_norm`` / ``nn.RMSNorm``, fp32-upcast logits before ``F.cross_entropy``) and elementwise
+chains (``static_chains``: ReLU², soft-capping, blends, scale-and-shift); for ``cuda`` the chains.
+
 Deliberately not reported: a plain ``zero_grad()`` (``set_to_none=True`` is its default since
-torch 2.0, so there is nothing to gain), chains of small elementwise ops with no library
-equivalent (their cost only shows in runtime evidence: Inductor's fused kernels), and host syncs
-in code that runs once, every N steps, or in a loop that synchronizes the device anyway.
+torch 2.0, so there is nothing to gain), elementwise chains when the target is unknown or the CPU,
+and host syncs in code that runs once, every N steps, or in a loop that synchronizes the device
+anyway.
 
 Files that do not parse: ``scan_source`` raises ``StaticScanError`` naming the file and line;
 ``scan_repo`` skips such a file with a logged warning (``on_syntax_error="raise"`` to fail
