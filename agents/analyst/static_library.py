@@ -31,6 +31,7 @@ _TRANSPOSES = frozenset({"transpose", "permute", "swapaxes", "swapdims", "movedi
 _RMSNORM_CLASSES = frozenset({"nn.RMSNorm", "torch.nn.RMSNorm", "RMSNorm"})
 _VIEWS = frozenset({"view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze", "view_as", "reshape_as"})
 _POINTWISE = frozenset({"mul", "div", "add", "sub", "neg", "tanh", "sigmoid", "clamp", "softcap"})
+_CODE = cst.Module([])
 
 
 def _calls(files: Iterable[FileModel]) -> Iterable[tuple[FileModel, Scope, Expr]]:
@@ -52,12 +53,11 @@ def _transposed(e: Expr) -> bool:
 
 
 def _sdpa_note(c: Expr) -> str:
-    parts = ["F.scaled_dot_product_attention"]
     if all(i < len(c.args) and _transposed(c.args[i]) for i in range(3)):
-        parts.append("on transposed BNSD views: npu_fusion_attention(input_layout='BSND') on the untransposed "
-                     "tensors drops the transposes and their copies")
+        parts = ["F.scaled_dot_product_attention on transposed BNSD views: npu_fusion_attention(input_layout='BSND') "
+                 "on the untransposed tensors drops the transposes and their copies"]
     else:
-        parts.append("(BNSD): npu_fusion_attention, input_layout='BNSD'")
+        parts = ["F.scaled_dot_product_attention (BNSD): npu_fusion_attention with input_layout='BNSD'"]
     if _is_true(c.kwargs.get("is_causal")):
         parts.append("is_causal=True is top-left causal: sparse_mode=2 with the 2048x2048 upper-triangular mask")
     if c.arg(3, "attn_mask") is not None:
@@ -66,20 +66,53 @@ def _sdpa_note(c: Expr) -> str:
     return "; ".join(parts)
 
 
+def _mentions_str(e: Expr, text: str, depth: int = 8) -> bool:
+    """``e`` (through names) contains the string constant ``text``, e.g. a kwargs dict key."""
+    x = peek(e)
+    if x.kind == "str" and x.value == text:
+        return True
+    return depth > 0 and any(_mentions_str(a, text, depth - 1) for a in (*x.args, *x.kwargs.values()))
+
+
 def _flash_note(c: Expr) -> str:
     varlen = "varlen" in c.op
     parts = [f"{c.op} (flash-attn)" + (": TND layout, actual_seq_qlen = cu_seqlens[1:]" if varlen else ": BSND layout")]
     if _is_true(c.kwargs.get("causal")):
         parts.append("causal=True is bottom-right causal: sparse_mode=3")
-    if "window_size" in c.kwargs:
+    if "window_size" in c.kwargs or ("***" in c.kwargs and _mentions_str(c.kwargs["***"], "window_size")):
         parts.append("window_size=(w, 0) keeps w + 1 keys: pre_tockens=w, next_tockens=0, with the mask")
     return "; ".join(parts) + " -> npu_fusion_attention"
 
 
+def _attention_fn(name: str) -> bool:
+    return name == "scaled_dot_product_attention" or name in _FLASH or bool(_FLEX.search(name))
+
+
+def compiled_aliases(file: FileModel) -> set[str]:
+    """Module-level names bound to ``torch.compile(<attention function>)``: ``fast = torch.compile(flex_attention)``."""
+    out = set()
+    for stmt in file.module.body:
+        if not isinstance(stmt, cst.SimpleStatementLine):
+            continue
+        for small in stmt.body:
+            if not isinstance(small, cst.Assign) or not isinstance(small.value, cst.Call) or not small.value.args:
+                continue
+            func = _CODE.code_for_node(small.value.func)
+            compiled = _CODE.code_for_node(small.value.args[0].value).rsplit(".", 1)[-1]
+            if func.rsplit(".", 1)[-1] == "compile" and _attention_fn(compiled):
+                out |= {t.target.value for t in small.targets if isinstance(t.target, cst.Name)}
+    return out
+
+
 def library_attention(files: list[FileModel]) -> list[Match]:
     out = []
+    aliases = {id(f): compiled_aliases(f) for f in files}
     for file, _, c in _calls(files):
-        if c.op == "scaled_dot_product_attention":
+        if c.op in aliases[id(file)] and not c.method:
+            note = f"{c.op} = torch.compile(flex_attention / SDPA): " + (
+                "on the NPU torch.compile falls back or needs TorchAir; npu_fusion_attention is the fused kernel "
+                "(causal / sliding-window block masks: sparse_mode 2/3/4)")
+        elif c.op == "scaled_dot_product_attention":
             note = _sdpa_note(c)
         elif c.op in _FLASH:
             note = _flash_note(c)
