@@ -154,7 +154,8 @@ def layernorm(ctx: Ctx, e: Expr) -> Found | None:
 @pattern
 def normalize(ctx: Ctx, e: Expr) -> Found | None:
     """``x / x.norm(dim=-1, keepdim=True)`` (optionally clamped or + eps); a whole-tensor norm
-    (``X / X.norm()``, Newton-Schulz's scaling) is not a row normalisation and is not reported."""
+    (``X / X.norm()``, ``X.norm(dim=(-2, -1))``: Newton-Schulz's scaling) is not a row normalisation
+    and is not reported."""
     div = call(ctx, e, "div")
     if div is None:
         return None
@@ -162,7 +163,8 @@ def normalize(ctx: Ctx, e: Expr) -> Found | None:
     if denominator is None:
         return None
     norm = call(ctx, denominator[0], "norm", "vector_norm")
-    if norm is not None and norm.arg(2, "dim") is not None and same(norm.args[0], div.args[0]):
+    dim = norm.arg(2, "dim") if norm is not None else None
+    if dim is not None and peek(dim).kind != "tuple" and same(norm.args[0], div.args[0]):
         order = norm.arg(1, "p") if norm.op == "norm" else norm.arg(1, "ord")
         if order is None or is_const(order, 2.0):
             return Found(0.45, "L2 normalisation written out: x / x.norm(dim, keepdim=True)")
