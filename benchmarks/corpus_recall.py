@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from trainbridge.agents.analyst.static_scan import scan_repo_result
+from trainbridge.agents.analyst.static.scan import scan_repo_result
 from trainbridge.records import Intent
 
 LABELS = Path(__file__).resolve().parent / "corpus" / "labels.yaml"

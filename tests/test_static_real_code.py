@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from trainbridge.agents.analyst.static_scan import scan_repo, scan_source
-from trainbridge.agents.analyst.static_targets import GAINS, gains_for
+from trainbridge.agents.analyst.static.scan import scan_repo, scan_source
+from trainbridge.agents.analyst.static.targets import GAINS, gains_for
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "real_style"
 

@@ -18,7 +18,7 @@ from pydantic import Field
 
 from trainbridge.agents.analyst import affinity
 from trainbridge.agents.analyst.align import align
-from trainbridge.agents.analyst.static_scan import scan_repo_result
+from trainbridge.agents.analyst.static.scan import scan_repo_result
 from trainbridge.records import FusionGroup, Intent, Record
 from trainbridge.sandbox.results import RunResult
 from trainbridge.sandbox.runner import run_workload

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .static_model import Expr, FileModel, Scope, Stmt
+from .model import Expr, FileModel, Scope, Stmt
 
 CAST_OPS = frozenset({"float", "double", "half", "bfloat16", "to", "type_as", "type"})
 _CONST_FUNCS = {"sqrt": math.sqrt, "exp": math.exp, "log": math.log, "tanh": math.tanh, "float": float}

@@ -1,6 +1,6 @@
 """Records of the static scan's source model: statements, expressions, scopes, files.
 
-``static_ir`` builds them from libcst trees; the patterns and rules read them.
+``ir`` builds them from libcst trees; the patterns and rules read them.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from .static_forms import (
+from .forms import (
     reduce_of,
     tensor_factors,
 )
-from .static_match import (
+from .match import (
     Ctx,
     Expr,
     Found,

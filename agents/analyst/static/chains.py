@@ -1,6 +1,6 @@
 """Static patterns: elementwise chains that Inductor fuses into one kernel and eager runs op by op.
 
-Reported only for targets listing the ``elementwise_chain`` gain (static_targets.GAINS):
+Reported only for targets listing the ``elementwise_chain`` gain (targets.GAINS):
 
 - ReLU²: ``F.relu(x).square()``, ``torch.relu(x) ** 2``, ``F.relu(x) * F.relu(x)``;
 - soft-capping: ``c * tanh(x / c)``, ``tanh(x / t) * t``, ``c * sigmoid(x / s)``, with scalar
@@ -13,8 +13,8 @@ Reported only for targets listing the ``elementwise_chain`` gain (static_targets
 
 from __future__ import annotations
 
-from .static_forms import square_of
-from .static_match import Ctx, Expr, Found, call, const_value, factors, pattern, peek, same, terms
+from .forms import square_of
+from .match import Ctx, Expr, Found, call, const_value, factors, pattern, peek, same, terms
 
 _SCALAR_BUILTINS = frozenset({"min", "max", "len", "int", "float", "round", "abs", "sum"})  # called as functions
 _SCALAR_METHODS = frozenset({"size", "numel", "item", "dim"})  # tensor methods that return Python numbers

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .static_forms import (
+from .forms import (
     Factors,
     centred_of,
     mean_of,
@@ -14,7 +14,7 @@ from .static_forms import (
     square_of,
     tensor_factors,
 )
-from .static_match import (
+from .match import (
     Ctx,
     Expr,
     Found,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .static_forms import (
+from .forms import (
     activation_of,
     const_product,
     const_product_is,
@@ -12,7 +12,7 @@ from .static_forms import (
     sigmoid_of,
     tensor_factors,
 )
-from .static_match import (
+from .match import (
     Ctx,
     Expr,
     Found,

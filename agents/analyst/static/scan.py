@@ -5,7 +5,7 @@ exact line spans for runtime intents. Every finding is an ``Intent`` with
 ``source=IntentSource.static``, ``evidence.detectors == ["static"]``, a note saying what was
 matched and a confidence of 0.3-0.6 (a source match says what code computes, not what it costs).
 
-What is found (see ``static_patterns.EXPRESSION_PATTERNS`` and ``static_rules.PROGRAM_RULES``):
+What is found (see ``patterns.EXPRESSION_PATTERNS`` and ``rules.PROGRAM_RULES``):
 rmsnorm, layernorm, rope, swiglu, geglu, silu, gelu (tanh, erf and QuickGELU forms), attention
 (matmul / einsum, spread over several statements), softmax, cross_entropy, normalize (L2),
 permute_reshape, redundant_cast, optimizer_step (foreach=False; the default implementation at
@@ -13,16 +13,16 @@ lower confidence), zero_grad (set_to_none=False or
 per-tensor p.grad.zero_()), host_sync (.item()/.cpu()/.tolist() once per training step) and
 conv_layout (a conv net without channels_last anywhere in the scanned files).
 
-Real-code forms: rotary as a rotation of the two halves (``static_rotary``), RMSNorm as
+Real-code forms: rotary as a rotation of the two halves (``rotary``), RMSNorm as
 ``F.normalize(x) * sqrt(d)``, per-parameter update loops of Muon-style optimizers and gradient
-scaling (``static_loops``), optimizers whose fused/foreach is on only for CUDA (through a variable
+scaling (``loops``), optimizers whose fused/foreach is on only for CUDA (through a variable
 or ``**kwargs``), host syncs in a step loop that holds a micro-batch or ``for opt in optimizers``
 loop.
 
-Target-aware findings (``target=``, see ``static_targets``): for ``npu`` the library calls that
-are one kernel on CUDA but not on the NPU (``static_library``: SDPA / flash-attn / flex attention,
+Target-aware findings (``target=``, see ``targets``): for ``npu`` the library calls that
+are one kernel on CUDA but not on the NPU (``library``: SDPA / flash-attn / flex attention,
 ``F.rms_norm`` / ``nn.RMSNorm``, fp32-upcast logits before ``F.cross_entropy``) and elementwise
-chains (``static_chains``: ReLU², soft-capping, blends, scale-and-shift); for ``cuda`` the chains.
+chains (``chains``: ReLU², soft-capping, blends, scale-and-shift); for ``cuda`` the chains.
 
 Deliberately not reported: a plain ``zero_grad()`` (``set_to_none=True`` is its default since
 torch 2.0, so there is nothing to gain), elementwise chains when the target is unknown or the CPU,
@@ -49,15 +49,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trainbridge.records import Intent
 
-from .static_ir import build_file_model
-from .static_library import TARGET_RULES
-from .static_loops import LOOP_RULES
-from .static_model import FileModel, StaticScanError
-from .static_match import Ctx, Match, RepoIndex
-from .static_patterns import EXPRESSION_PATTERNS, classify_helper
-from .static_resolve import build_intents
-from .static_rules import PROGRAM_RULES
-from .static_targets import gains_for
+from .ir import build_file_model
+from .library import TARGET_RULES
+from .loops import LOOP_RULES
+from .model import FileModel, StaticScanError
+from .match import Ctx, Match, RepoIndex
+from .patterns import EXPRESSION_PATTERNS, classify_helper
+from .resolve import build_intents
+from .rules import PROGRAM_RULES
+from .targets import gains_for
 
 __all__ = ["StaticScanError", "StaticScanResult", "SkippedFile", "scan_repo", "scan_repo_result", "scan_source"]
 
@@ -105,7 +105,7 @@ def scan_models(files: dict[str, FileModel], target: str | None = None) -> list[
     """Intents of already-parsed files (keys: repo-relative POSIX paths).
 
     ``target`` ('npu', 'cuda', 'cpu' or None) adds the findings that are a gain only there
-    (static_targets.GAINS); None reports the target-independent ones.
+    (targets.GAINS); None reports the target-independent ones.
     """
     gains = gains_for(target)
     index = RepoIndex(files, classify_helper)

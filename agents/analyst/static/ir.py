@@ -19,7 +19,7 @@ from typing import Iterator
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from .static_model import Binding, Expr, FileModel, Scope, StaticScanError, Stmt
+from .model import Binding, Expr, FileModel, Scope, StaticScanError, Stmt
 
 # Names that refer to modules when no import says otherwise (for code snippets without imports).
 DEFAULT_MODULE_ALIASES = frozenset({"torch", "math", "F", "nn", "np", "numpy", "torch_npu"})

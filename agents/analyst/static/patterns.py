@@ -1,10 +1,10 @@
 """The registry of the static scan's expression patterns, and what helper functions compute.
 
-Each pattern is a small matcher (in static_norms, static_activations, static_attention,
-static_layout) tried on every operation of every statement; it returns ``Found`` (how specific
+Each pattern is a small matcher (in norms, activations, attention,
+layout) tried on every operation of every statement; it returns ``Found`` (how specific
 the match is, what it saw) or None. Confidence stays in 0.3-0.6: a source match says what the
 code computes, not what it costs. To add a category: write a matcher with the primitives of
-static_match / static_forms and add an ``ExprPattern`` below.
+match / forms and add an ``ExprPattern`` below.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from typing import Callable
 
 from trainbridge.records import IntentCategory
 
-from .static_activations import gelu, gelu_shape, geglu, rope, silu, silu_form, swiglu
-from .static_attention import attention, cross_entropy, softmax
-from .static_chains import blend, relu_squared, scale_and_shift, soft_cap
-from .static_forms import activation_of, rotate_half_inline
-from .static_layout import permute_reshape, redundant_cast
-from .static_match import Ctx, Expr, Found, Helper, RepoIndex, is_param
-from .static_norms import layernorm, normalize, rmsnorm
-from .static_rotary import rope_rotation
+from .activations import gelu, gelu_shape, geglu, rope, silu, silu_form, swiglu
+from .attention import attention, cross_entropy, softmax
+from .chains import blend, relu_squared, scale_and_shift, soft_cap
+from .forms import activation_of, rotate_half_inline
+from .layout import permute_reshape, redundant_cast
+from .match import Ctx, Expr, Found, Helper, RepoIndex, is_param
+from .norms import layernorm, normalize, rmsnorm
+from .rotary import rope_rotation
 
 
 def classify_helper(index: RepoIndex, helper: Helper) -> str | None:
@@ -57,7 +57,7 @@ def classify_helper(index: RepoIndex, helper: Helper) -> str | None:
 class ExprPattern:
     category: IntentCategory
     match: Callable[[Ctx, Expr], Found | None]
-    gain: str | None = None  # reported only for targets listing this gain (static_targets.GAINS); None: always
+    gain: str | None = None  # reported only for targets listing this gain (targets.GAINS); None: always
 
 
 # Order matters only when two patterns match at the same expression: the earlier one wins.

@@ -21,8 +21,8 @@ import libcst as cst
 
 from trainbridge.records import IntentCategory
 
-from .static_match import Found, Match
-from .static_model import Expr, FileModel, Scope, Stmt
+from .match import Found, Match
+from .model import Expr, FileModel, Scope, Stmt
 
 INPLACE_UPDATES = frozenset({"add_", "sub_", "mul_", "div_", "lerp_", "addcmul_", "addcdiv_", "pow_", "sqrt_", "neg_",
                              "clamp_", "sign_", "maximum_"})

@@ -13,8 +13,8 @@ from typing import Callable, Iterable
 
 from trainbridge.records import IntentCategory
 
-from .static_model import Expr, FileModel, Scope
-from .static_match import Found, Match, peek, peel
+from .model import Expr, FileModel, Scope
+from .match import Found, Match, peek, peel
 
 OPTIMIZERS = frozenset(
     {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam", "ASGD"}

@@ -14,8 +14,8 @@ convention ('interleave').
 
 from __future__ import annotations
 
-from .static_forms import const_product, halves_of, tensor_factors
-from .static_match import Ctx, Expr, Found, call, factors, follow, is_const, pattern, same, terms
+from .forms import const_product, halves_of, tensor_factors
+from .match import Ctx, Expr, Found, call, factors, follow, is_const, pattern, same, terms
 
 
 @pattern

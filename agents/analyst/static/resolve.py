@@ -16,7 +16,7 @@ from collections import defaultdict
 
 from trainbridge.records import Evidence, Intent, IntentCategory, IntentSource, SourceSpan
 
-from .static_match import Match
+from .match import Match
 
 
 def drop_nested(matches: list[Match]) -> list[Match]:

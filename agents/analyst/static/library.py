@@ -1,6 +1,6 @@
 """Target rules of the static scan: library calls that are one kernel on CUDA but not on the NPU.
 
-Each rule is reported only for targets whose gains list it (static_targets.GAINS):
+Each rule is reported only for targets whose gains list it (targets.GAINS):
 
 - ``library_attention``: SDPA (noting transposed BNSD inputs, causal / mask), flash-attn's
   ``flash_attn_func`` / ``flash_attn_varlen_func``, ``varlen_attn``, ``flex_attention`` (also when
@@ -21,8 +21,8 @@ import libcst as cst
 
 from trainbridge.records import IntentCategory
 
-from .static_match import Found, Match, peek
-from .static_model import Expr, FileModel, Scope, Stmt
+from .match import Found, Match, peek
+from .model import Expr, FileModel, Scope, Stmt
 
 _FLEX = re.compile(r"(^|_)flex_attn$|flex_attention$")
 _FLASH = frozenset({"flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func",
