@@ -39,6 +39,11 @@ EXPECTED: dict[str, list[tuple[str, tuple[str, ...], str | None]]] = {
         ("host_sync", ("train_gpt.py:143",), None),  # .item() every step: loop holds micro and optim loops
     ],
     "package_style": [
+        ("rmsnorm", ("lm/layers/aliased.py:7-8",), "library_rmsnorm"),  # class QKNorm(TorchRMSNorm), an import alias
+        ("rmsnorm", ("lm/layers/aliased.py:12",), "library_rmsnorm"),  # rms_norm imported as rmsnorm_fn
+        ("attention", ("lm/layers/aliased.py:16",), "library_attention"),  # SDPA imported as sdpa
+        ("cross_entropy", ("lm/layers/aliased.py:20",), "fp32_logits_loss"),  # cross_entropy imported as xent
+        ("rmsnorm", ("lm/layers/aliased.py:24",), None),  # the file's own rms_norm(): written out, not the library
         ("attention", ("lm/layers/attention.py:29-30",), "library_attention"),  # flash_attn_varlen_func: TND
         ("attention", ("lm/layers/attention.py:33",), "library_attention"),  # flash_attn_func(**extra): window
         ("attention", ("lm/layers/attention.py:36",), "library_attention"),  # SDPA fallback

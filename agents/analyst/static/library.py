@@ -41,6 +41,18 @@ def _calls(files: Iterable[FileModel]) -> Iterable[tuple[FileModel, Scope, Expr]
                 yield file, scope, c
 
 
+_LIBRARIES = ("torch", "flash_attn", "torch_npu")
+
+
+def library_name(file: FileModel, c: Expr) -> str:
+    """The library function a call calls, through import aliases (``import ... as sdpa``)."""
+    if not c.method and c.callee == c.op and c.op in file.imports:
+        source, name = file.imports[c.op]
+        if source.split(".")[0] in _LIBRARIES:
+            return name
+    return c.op
+
+
 def _is_true(e: Expr | None) -> bool:
     return e is not None and peek(e).kind == "const" and peek(e).value is True
 
@@ -74,9 +86,9 @@ def _mentions_str(e: Expr, text: str, depth: int = 8) -> bool:
     return depth > 0 and any(_mentions_str(a, text, depth - 1) for a in (*x.args, *x.kwargs.values()))
 
 
-def _flash_note(c: Expr) -> str:
-    varlen = "varlen" in c.op
-    parts = [f"{c.op} (flash-attn)" + (": TND layout, actual_seq_qlen = cu_seqlens[1:]" if varlen else ": BSND layout")]
+def _flash_note(c: Expr, name: str) -> str:
+    varlen = "varlen" in name
+    parts = [f"{name} (flash-attn)" + (": TND layout, actual_seq_qlen = cu_seqlens[1:]" if varlen else ": BSND layout")]
     if _is_true(c.kwargs.get("causal")):
         parts.append("causal=True is bottom-right causal: sparse_mode=3")
     if "window_size" in c.kwargs or ("***" in c.kwargs and _mentions_str(c.kwargs["***"], "window_size")):
@@ -108,15 +120,16 @@ def library_attention(files: list[FileModel]) -> list[Match]:
     out = []
     aliases = {id(f): compiled_aliases(f) for f in files}
     for file, _, c in _calls(files):
+        name = library_name(file, c)
         if c.op in aliases[id(file)] and not c.method:
             note = f"{c.op} = torch.compile(flex_attention / SDPA): " + (
                 "on the NPU torch.compile falls back or needs TorchAir; npu_fusion_attention is the fused kernel "
                 "(causal / sliding-window block masks: sparse_mode 2/3/4)")
-        elif c.op == "scaled_dot_product_attention":
+        elif name == "scaled_dot_product_attention":
             note = _sdpa_note(c)
-        elif c.op in _FLASH:
-            note = _flash_note(c)
-        elif _FLEX.search(c.op) and c.op not in file.functions:
+        elif name in _FLASH:
+            note = _flash_note(c, name)
+        elif _FLEX.search(name) and c.op not in file.functions:
             note = ("flex_attention with a block mask: causal and sliding-window masks map to npu_fusion_attention "
                     "(sparse_mode 2/3/4, pre_tockens for the window); document masks need TND or an explicit mask")
         else:
@@ -134,11 +147,11 @@ def _class_match(file: FileModel, scope: Scope, found: Found) -> Match:
 def library_rmsnorm(files: list[FileModel]) -> list[Match]:
     out = []
     for file, _, c in _calls(files):
-        if c.op == "rms_norm" and c.op not in file.functions and (not c.method or c.callee):
+        if library_name(file, c) == "rms_norm" and c.op not in file.functions and (not c.method or c.callee):
             note = "F.rms_norm: decomposes into pow/mean/add/rsqrt/mul in NPU eager; npu_rms_norm is one kernel"
         elif c.callee in _RMSNORM_CLASSES and c.callee != "RMSNorm":
             note = "nn.RMSNorm: decomposes in NPU eager; npu_rms_norm is one kernel"
-        elif c.callee == "RMSNorm" and file.imports.get("RMSNorm", ("", ""))[0].startswith("torch"):
+        elif not c.method and library_name(file, c) == "RMSNorm" and c.op in file.imports:
             note = "nn.RMSNorm (imported from torch): decomposes in NPU eager; npu_rms_norm is one kernel"
         else:
             continue
@@ -146,8 +159,10 @@ def library_rmsnorm(files: list[FileModel]) -> list[Match]:
     for file in files:
         for scope in file.scopes:
             if isinstance(scope.node, cst.ClassDef):
-                bases = {cst.Module([]).code_for_node(b.value) for b in scope.node.bases}
-                if bases & {"nn.RMSNorm", "torch.nn.RMSNorm"}:
+                bases = {_CODE.code_for_node(b.value) for b in scope.node.bases}
+                imported = {b for b in bases if file.imports.get(b, ("", ""))[1] == "RMSNorm"
+                            and file.imports[b][0].split(".")[0] == "torch"}
+                if bases & {"nn.RMSNorm", "torch.nn.RMSNorm"} or imported:
                     note = f"class {scope.qualname} derives from nn.RMSNorm: decomposes in NPU eager; npu_rms_norm is one kernel"
                     out.append(_class_match(file, scope, Found(0.5, note)))
     return out
@@ -190,7 +205,7 @@ def _upcast_feeding(e: Expr, seen: list[Stmt], depth: int = 0) -> Expr | None:
 def fp32_logits_loss(files: list[FileModel]) -> list[Match]:
     out = []
     for file, _, c in _calls(files):
-        if c.op != "cross_entropy" or not c.args or c.op in file.functions:
+        if library_name(file, c) != "cross_entropy" or not c.args or c.op in file.functions:
             continue
         seen: list[Stmt] = []
         cast = _upcast_feeding(c.args[0], seen)
