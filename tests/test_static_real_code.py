@@ -180,3 +180,16 @@ def test_host_sync_in_an_epoch_loop_around_whole_steps_is_not_reported_but_aroun
     assert scan_source(epochs, "m.py") == []
     micro = epochs.replace("            opt.step()\n", "").replace("        print(", "        opt.step()\n        print(")
     assert _rows(scan_source(micro, "m.py")) == [("host_sync", ("m.py:6",))]
+
+
+def test_optimizer_kwargs_that_may_choose_the_implementation_are_not_called_default():
+    code = (
+        "import torch\n"
+        "def build(model, cfg, lr):\n"
+        "    a = torch.optim.AdamW(model.parameters(), **cfg)\n"  # unknown: may hold fused=True
+        "    b = torch.optim.AdamW(model.parameters(), **dict(lr=lr))\n"  # visibly the default
+        "    c = torch.optim.AdamW(model.parameters(), **{'lr': lr, 'fused': True})\n"
+        "    d = torch.optim.AdamW(model.parameters(), **{'lr': lr})\n"
+        "    return a, b, c, d\n"
+    )
+    assert _rows(scan_source(code, "m.py")) == [("optimizer_step", ("m.py:4",)), ("optimizer_step", ("m.py:6",))]

@@ -77,13 +77,26 @@ def optimizer_rules(files: list[FileModel]) -> list[Match]:
                 "foreach/fused (or torch_npu's NpuFused*) updates all parameters in a few kernels"
             )
             out.append(Match.at_call(IntentCategory.optimizer_step, file, c, Found(0.6, note)))
-        elif foreach is None and fused is None:
+        elif foreach is None and fused is None and not _may_set_implementation(c.kwargs.get("***")):
             note = (
                 f"{c.op} with the default implementation (a per-parameter loop on CPU, foreach on CUDA/NPU); "
                 "a fused optimizer (fused=True, NpuFused*) updates all parameters in a few kernels"
             )
             out.append(Match.at_call(IntentCategory.optimizer_step, file, c, Found(0.3, note)))
     return out
+
+
+def _may_set_implementation(splat: Expr | None) -> bool:
+    """``**kwargs`` that may hold fused/foreach: anything but a dict(...) or {...} visibly without them."""
+    if splat is None:
+        return False
+    x = peek(splat)
+    if x.kind == "call" and x.op == "dict" and not x.args:
+        return any(k in x.kwargs for k in ("fused", "foreach", "***"))
+    if x.kind == "other" and x.op == "Dict":
+        keys = {peek(a).value for a in x.args if peek(a).kind == "str"}
+        return bool(keys & {"fused", "foreach"}) or len(keys) * 2 != len(x.args)
+    return True
 
 
 def _mentions_cuda(e: Expr, depth: int = 12) -> bool:
