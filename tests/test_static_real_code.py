@@ -7,7 +7,8 @@ optimizer loops; a package split over modules with library norms and attention, 
 and an AdamW whose ``fused`` comes through ``**extra_args``; a Hugging Face-style decoder with
 methods, static helpers and a mask helper; and near-misses that must not be reported.
 
-For each program the exact intents (category and spans) are asserted per target: ``npu`` gets
+For each program the exact intents (category and spans: the whole function when a new detector's
+finding is all a helper does) are asserted per target: ``npu`` gets
 everything, ``cuda`` the target-independent findings plus elementwise chains, ``cpu`` and an
 unknown target the target-independent ones only.
 """
@@ -27,8 +28,8 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "real_style"
 EXPECTED: dict[str, list[tuple[str, tuple[str, ...], str | None]]] = {
     "speedrun_style": [
         ("optimizer_step", ("train_gpt.py:32-39",), None),  # for w in group["params"]: lerp_, add_
-        ("rmsnorm", ("train_gpt.py:43",), "library_rmsnorm"),  # the helper rmsn(); its call sites are not
-        ("rope", ("train_gpt.py:56-57",), None),  # rotation of the two halves, outputs swapped
+        ("rmsnorm", ("train_gpt.py:42-43",), "library_rmsnorm"),  # the helper rmsn() whole; its call sites are not
+        ("rope", ("train_gpt.py:54-57",), None),  # rotation of the halves, outputs swapped: Rotor.forward whole
         ("elementwise_chain", ("train_gpt.py:72",), "elementwise_chain"),  # mix[0] * v + mix[1] * ve
         ("attention", ("train_gpt.py:75",), "library_attention"),  # fast_flex = torch.compile(flex_attention)
         ("permute_reshape", ("train_gpt.py:76",), None),
@@ -40,9 +41,9 @@ EXPECTED: dict[str, list[tuple[str, tuple[str, ...], str | None]]] = {
     ],
     "package_style": [
         ("rmsnorm", ("lm/layers/aliased.py:7-8",), "library_rmsnorm"),  # class QKNorm(TorchRMSNorm), an import alias
-        ("rmsnorm", ("lm/layers/aliased.py:12",), "library_rmsnorm"),  # rms_norm imported as rmsnorm_fn
-        ("attention", ("lm/layers/aliased.py:16",), "library_attention"),  # SDPA imported as sdpa
-        ("cross_entropy", ("lm/layers/aliased.py:20",), "fp32_logits_loss"),  # cross_entropy imported as xent
+        ("rmsnorm", ("lm/layers/aliased.py:11-12",), "library_rmsnorm"),  # rms_norm imported as rmsnorm_fn
+        ("attention", ("lm/layers/aliased.py:15-16",), "library_attention"),  # SDPA imported as sdpa; attend() whole
+        ("cross_entropy", ("lm/layers/aliased.py:19-20",), "fp32_logits_loss"),  # cross_entropy imported as xent
         ("rmsnorm", ("lm/layers/aliased.py:24",), None),  # the file's own rms_norm(): written out, not the library
         ("attention", ("lm/layers/attention.py:29-30",), "library_attention"),  # flash_attn_varlen_func: TND
         ("attention", ("lm/layers/attention.py:33",), "library_attention"),  # flash_attn_func(**extra): window
@@ -50,7 +51,7 @@ EXPECTED: dict[str, list[tuple[str, tuple[str, ...], str | None]]] = {
         ("permute_reshape", ("lm/layers/attention.py:36-37",), None),
         ("swiglu", ("lm/layers/mlp.py:13-14",), None),
         ("rmsnorm", ("lm/layers/norms.py:5-9",), "library_rmsnorm"),  # class ...(nn.RMSNorm)
-        ("rmsnorm", ("lm/layers/norms.py:13",), "library_rmsnorm"),  # torch.nn.RMSNorm(...)
+        ("rmsnorm", ("lm/layers/norms.py:12-13",), "library_rmsnorm"),  # make_norm() returns torch.nn.RMSNorm(...)
         ("rope", ("lm/layers/rotary.py:18-21",), None),  # view_as_complex * polar freqs
         ("optimizer_step", ("lm/train.py:15",), None),  # AdamW(..., **extra_args), fused only on cuda
         ("host_sync", ("lm/train.py:32",), None),  # .cpu() every step around an accumulation loop
@@ -61,9 +62,9 @@ EXPECTED: dict[str, list[tuple[str, tuple[str, ...], str | None]]] = {
         ("rope", ("modeling_tiny.py:39-40", "modeling_tiny.py:34-36"), None),  # TinyRotary._swap_halves
         ("attention", ("modeling_tiny.py:59-63",), None),  # combine_with_mask() between the matmuls
         ("permute_reshape", ("modeling_tiny.py:71",), None),
-        ("elementwise_chain", ("modeling_tiny.py:75",), "elementwise_chain"),  # x * (1 + scale) + shift
+        ("elementwise_chain", ("modeling_tiny.py:74-75",), "elementwise_chain"),  # modulate(): x * (1 + scale) + shift
         ("gelu", ("modeling_tiny.py:86",), None),
-        ("cross_entropy", ("modeling_tiny.py:100-103",), "fp32_logits_loss"),  # .to(torch.float32), shifted
+        ("cross_entropy", ("modeling_tiny.py:99-103",), "fp32_logits_loss"),  # loss(): .to(torch.float32), shifted
     ],
     "near_misses": [],
 }
@@ -102,7 +103,7 @@ def test_notes_carry_the_npu_rewrite_facts():
     assert "sparse_mode=2" in notes["lm/layers/attention.py:36"] and "1/sqrt(D)" in notes["lm/layers/attention.py:36"]
     assert "**extra_args" in notes["lm/train.py:15"]
     speedrun = {str(i.spans[0]): i for i in scan_repo(FIXTURES / "speedrun_style", target="npu")}
-    assert "npu_rms_norm" in speedrun["train_gpt.py:43"].evidence.notes[0]
+    assert "npu_rms_norm" in speedrun["train_gpt.py:42-43"].evidence.notes[0]
     assert all(0.3 <= i.confidence <= 0.6 for i in speedrun.values())
 
 
@@ -193,3 +194,16 @@ def test_optimizer_kwargs_that_may_choose_the_implementation_are_not_called_defa
         "    return a, b, c, d\n"
     )
     assert _rows(scan_source(code, "m.py")) == [("optimizer_step", ("m.py:4",)), ("optimizer_step", ("m.py:6",))]
+
+
+def test_a_helper_that_only_wraps_the_op_is_spanned_whole_and_a_busier_one_is_not():
+    code = (
+        "import torch.nn.functional as F\n"
+        "def norm(x):\n"
+        "    d = x.shape[-1]\n"
+        "    return F.rms_norm(x, (d,))\n"
+        "def block(x, w):\n"
+        "    y = F.rms_norm(x, (x.size(-1),))\n"
+        "    return w(y)\n"
+    )
+    assert _rows(scan_source(code, "m.py", target="npu")) == [("rmsnorm", ("m.py:2-4",)), ("rmsnorm", ("m.py:6",))]

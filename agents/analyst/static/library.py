@@ -134,8 +134,15 @@ def library_attention(files: list[FileModel]) -> list[Match]:
                     "(sparse_mode 2/3/4, pre_tockens for the window); document masks need TND or an explicit mask")
         else:
             continue
-        out.append(Match.at_call(IntentCategory.attention, file, c, Found(0.5, note)))
+        out.append(_helper_match(IntentCategory.attention, file, c, Found(0.5, note)))
     return out
+
+
+def _helper_match(category: IntentCategory, file: FileModel, c: Expr, found: Found) -> Match:
+    """A finding at a library call; a function that only wraps the call is spanned whole."""
+    match = Match.at_call(category, file, c, found)
+    match.whole_function = True
+    return match
 
 
 def _class_match(file: FileModel, scope: Scope, found: Found) -> Match:
@@ -155,7 +162,7 @@ def library_rmsnorm(files: list[FileModel]) -> list[Match]:
             note = "nn.RMSNorm (imported from torch): decomposes in NPU eager; npu_rms_norm is one kernel"
         else:
             continue
-        out.append(Match.at_call(IntentCategory.rmsnorm, file, c, Found(0.5, note)))
+        out.append(_helper_match(IntentCategory.rmsnorm, file, c, Found(0.5, note)))
     for file in files:
         for scope in file.scopes:
             if isinstance(scope.node, cst.ClassDef):
@@ -213,7 +220,7 @@ def fp32_logits_loss(files: list[FileModel]) -> list[Match]:
             continue
         note = ("fp32 upcast of the full-vocabulary logits before F.cross_entropy: a [tokens, vocab] fp32 copy "
                 "and a log_softmax + nll pair; npu_cross_entropy_loss takes the bf16 logits and reduces in fp32")
-        match = Match.at_call(IntentCategory.cross_entropy, file, c, Found(0.5, note))
+        match = _helper_match(IntentCategory.cross_entropy, file, c, Found(0.5, note))
         match.start = min([c.start, cast.start] + [s.start for s in seen])
         match.end = max([c.end] + [s.end for s in seen])
         out.append(match)

@@ -355,6 +355,7 @@ class Match:
     helpers: list[Helper] = field(default_factory=list)
     sites: list[tuple[FileModel, Expr]] = field(default_factory=list)  # all places reported (conv layers)
     mergeable: bool = False  # one rewrite may cover neighbours of the same kind (rotary for q, then k)
+    whole_function: bool = False  # span the function when it exists only for this op (helpers.is_whole_function)
 
     @classmethod
     def from_ctx(cls, category: str, ctx: Ctx, root: Expr, found: Found, priority: int) -> "Match":

@@ -58,6 +58,7 @@ class ExprPattern:
     category: IntentCategory
     match: Callable[[Ctx, Expr], Found | None]
     gain: str | None = None  # reported only for targets listing this gain (targets.GAINS); None: always
+    whole_function: bool = False  # span a helper that exists only for this op as a whole (helpers.py)
 
 
 # Order matters only when two patterns match at the same expression: the earlier one wins.
@@ -67,7 +68,7 @@ EXPRESSION_PATTERNS: tuple[ExprPattern, ...] = (
     ExprPattern(IntentCategory.layernorm, layernorm),
     ExprPattern(IntentCategory.rmsnorm, rmsnorm),
     ExprPattern(IntentCategory.rope, rope),
-    ExprPattern(IntentCategory.rope, rope_rotation),
+    ExprPattern(IntentCategory.rope, rope_rotation, whole_function=True),
     ExprPattern(IntentCategory.swiglu, swiglu),
     ExprPattern(IntentCategory.geglu, geglu),
     ExprPattern(IntentCategory.gelu, gelu),
@@ -76,8 +77,8 @@ EXPRESSION_PATTERNS: tuple[ExprPattern, ...] = (
     ExprPattern(IntentCategory.normalize, normalize),
     ExprPattern(IntentCategory.permute_reshape, permute_reshape),
     ExprPattern(IntentCategory.redundant_cast, redundant_cast),
-    ExprPattern(IntentCategory.elementwise_chain, relu_squared, gain="elementwise_chain"),
-    ExprPattern(IntentCategory.elementwise_chain, soft_cap, gain="elementwise_chain"),
-    ExprPattern(IntentCategory.elementwise_chain, scale_and_shift, gain="elementwise_chain"),
-    ExprPattern(IntentCategory.elementwise_chain, blend, gain="elementwise_chain"),
+    ExprPattern(IntentCategory.elementwise_chain, relu_squared, gain="elementwise_chain", whole_function=True),
+    ExprPattern(IntentCategory.elementwise_chain, soft_cap, gain="elementwise_chain", whole_function=True),
+    ExprPattern(IntentCategory.elementwise_chain, scale_and_shift, gain="elementwise_chain", whole_function=True),
+    ExprPattern(IntentCategory.elementwise_chain, blend, gain="elementwise_chain", whole_function=True),
 )

@@ -97,7 +97,9 @@ def _expression_matches(index: RepoIndex, file: FileModel, gains: frozenset[str]
                     ctx = Ctx(index, file, scope)
                     found = p.match(ctx, expr)
                     if found:
-                        matches.append(Match.from_ctx(p.category, ctx, expr, found, priority))
+                        match = Match.from_ctx(p.category, ctx, expr, found, priority)
+                        match.whole_function = p.whole_function
+                        matches.append(match)
     return matches
 
 
