@@ -207,3 +207,26 @@ def test_a_helper_that_only_wraps_the_op_is_spanned_whole_and_a_busier_one_is_no
         "    return w(y)\n"
     )
     assert _rows(scan_source(code, "m.py", target="npu")) == [("rmsnorm", ("m.py:2-4",)), ("rmsnorm", ("m.py:6",))]
+
+
+def test_blocking_collective_per_parameter_gradient_is_communication():
+    code = (
+        "import torch.distributed as dist\n"
+        "from torch.distributed import all_reduce\n"
+        "def sync(model):\n"
+        "    for param in model.parameters():\n"
+        "        dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)\n"
+        "def sync_imported(params):\n"
+        "    for p in params:\n"
+        "        all_reduce(p.grad)\n"
+        "def overlapped(params):\n"  # async: hidden behind other work
+        "    for p in params:\n"
+        "        dist.all_reduce(p.grad, async_op=True)\n"
+        "def start(model):\n"  # weights broadcast once, not a per-step gradient sync
+        "    for p in model.parameters():\n"
+        "        dist.broadcast(p.detach(), 0)\n"
+        "def flat(self, flat_updates):\n"  # one collective per group over an already flat buffer
+        "    for group in self.param_groups:\n"
+        "        dist.all_reduce(flat_updates[0].grad)\n"
+    )
+    assert _rows(scan_source(code, "m.py")) == [("communication", ("m.py:4-5",)), ("communication", ("m.py:7-8",))]

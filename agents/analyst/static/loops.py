@@ -6,6 +6,9 @@ A ``for`` loop whose iterable names parameters (``model.parameters()``, ``group[
 launches a few small kernels per parameter every step; ``torch._foreach_*`` ops (or a fused
 multi-tensor optimizer) update all parameters in a few launches. Reported for every target.
 
+Also here: a blocking collective once per parameter (``per_parameter_collectives``, category
+communication).
+
 Each in-place update is attributed to the innermost such loop around it, so an outer
 ``for group in self.param_groups:`` is not reported when its inner loop is. Not reported:
 loops that only copy (``copy_``: checkpoint loading), zero (``zero_``: the zero_grad rule), or
@@ -21,7 +24,7 @@ import libcst as cst
 
 from trainbridge.records import IntentCategory
 
-from .match import Found, Match
+from .match import Found, Match, peek
 from .model import Expr, FileModel, Scope, Stmt
 
 INPLACE_UPDATES = frozenset({"add_", "sub_", "mul_", "div_", "lerp_", "addcmul_", "addcdiv_", "pow_", "sqrt_", "neg_",
@@ -83,4 +86,52 @@ def parameter_update_loops(files: list[FileModel]) -> list[Match]:
     return out
 
 
-LOOP_RULES: tuple[Callable[[list[FileModel]], list[Match]], ...] = (parameter_update_loops,)
+COLLECTIVES = frozenset({"all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor",
+                         "broadcast", "reduce"})
+
+
+def _over_groups(loop: cst.For) -> bool:
+    """``for group in self.param_groups``: one iteration per group, whose tensors may already be flat."""
+    return "param_groups" in _CODE.code_for_node(loop.iter)
+
+
+def _on_gradient(c: Expr) -> bool:
+    """The collective moves a gradient (``p.grad``): the per-step kind (a broadcast of weights at start is not)."""
+    return any(peek(a).kind == "attr" and peek(a).op == "grad" for a in c.args)
+
+
+def _distributed(file: FileModel, c: Expr) -> bool:
+    """``dist.all_reduce(...)``, ``torch.distributed.all_reduce(...)`` or an all_reduce imported from torch.distributed."""
+    if (c.callee or "").startswith(("dist.", "torch.distributed.")):
+        return True
+    return c.callee == c.op and file.imports.get(c.op, ("", ""))[0].startswith("torch.distributed")
+
+
+def per_parameter_collectives(files: list[FileModel]) -> list[Match]:
+    """A blocking collective per parameter gradient (``for p in model.parameters(): dist.all_reduce(p.grad)``).
+
+    Each launch pays the collective's latency; one bucketed collective over the flattened
+    gradients (``torch._utils._flatten_dense_tensors``, DDP's buckets) pays it once. A collective
+    with ``async_op=True`` is overlapped with other work and is not reported: fewer, larger
+    messages gain nothing end to end when communication is already hidden.
+    """
+    out = []
+    for file in files:
+        for scope in file.scopes:
+            for c in scope.calls:
+                loops = [loop for loop in c.stmt.loops if _parameter_loop(loop) and not _over_groups(loop)]
+                if not loops or c.op not in COLLECTIVES or not _distributed(file, c) or not _on_gradient(c):
+                    continue
+                async_op = c.kwargs.get("async_op")
+                if async_op is not None and not (peek(async_op).kind == "const" and peek(async_op).value is False):
+                    continue
+                start, end = scope.loop_lines[id(loops[-1])]
+                note = (f"{c.callee} once per parameter, blocking: one bucketed collective over the flattened tensors "
+                        "(or DDP's gradient buckets) pays the launch and latency once")
+                site = Expr("other", "for", loops[-1], Stmt(loops[-1], start, end, scope), start, end)
+                out.append(Match(IntentCategory.communication, file, scope, site, start, end,
+                                 frozenset({id(c.node)}), Found(0.4, note), 100))
+    return out
+
+
+LOOP_RULES: tuple[Callable[[list[FileModel]], list[Match]], ...] = (parameter_update_loops, per_parameter_collectives)

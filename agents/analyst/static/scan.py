@@ -15,9 +15,10 @@ conv_layout (a conv net without channels_last anywhere in the scanned files).
 
 Real-code forms: rotary as a rotation of the two halves (``rotary``), RMSNorm as
 ``F.normalize(x) * sqrt(d)``, per-parameter update loops of Muon-style optimizers and gradient
-scaling (``loops``), optimizers whose fused/foreach is on only for CUDA (through a variable
-or ``**kwargs``), host syncs in a step loop that holds a micro-batch or ``for opt in optimizers``
-loop.
+scaling and blocking per-parameter gradient collectives (``loops``; category communication),
+optimizers whose fused/foreach is on only for CUDA (through a variable or ``**kwargs``), host
+syncs in a step loop that holds a micro-batch or ``for opt in optimizers`` loop. A new
+detector's finding that is all a helper function does spans the whole function (``helpers``).
 
 Target-aware findings (``target=``, see ``targets``): for ``npu`` the library calls that
 are one kernel on CUDA but not on the NPU (``library``: SDPA / flash-attn / flex attention,
