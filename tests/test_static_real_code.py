@@ -27,6 +27,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "real_style"
 # (category, spans, gain): gain None = reported for every target; else only where GAINS lists it.
 EXPECTED: dict[str, list[tuple[str, tuple[str, ...], str | None]]] = {
     "speedrun_style": [
+        ("elementwise_chain", ("train_gpt.py:20",), "elementwise_chain"),  # k2 * G + k3 * (G @ G): one addmm
         ("optimizer_step", ("train_gpt.py:32-39",), None),  # for w in group["params"]: lerp_, add_
         ("rmsnorm", ("train_gpt.py:42-43",), "library_rmsnorm"),  # the helper rmsn() whole; its call sites are not
         ("rope", ("train_gpt.py:54-57",), None),  # rotation of the halves, outputs swapped: Rotor.forward whole
