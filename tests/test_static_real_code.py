@@ -231,3 +231,32 @@ def test_blocking_collective_per_parameter_gradient_is_communication():
         "        dist.all_reduce(flat_updates[0].grad)\n"
     )
     assert _rows(scan_source(code, "m.py")) == [("communication", ("m.py:4-5",)), ("communication", ("m.py:7-8",))]
+
+
+def test_library_norms_are_torch_s_not_a_same_named_function_of_the_user():
+    code = (
+        "import torch\n"
+        "import torch.nn.functional as F\n"
+        "from torch import nn\n"
+        "from .ops import rms_norm\n"  # the user's own: not the library
+        "from .layers import RMSNorm\n"
+        "from torch.nn import RMSNorm as TorchNorm\n"
+        "def a(x):\n    return rms_norm(x)\n"
+        "def b(d):\n    return RMSNorm(d)\n"
+        "def c(x):\n    return F.rms_norm(x, x.shape[-1:])\n"
+        "def d(x):\n    return torch.nn.functional.rms_norm(x, x.shape[-1:])\n"
+        "def e(n):\n    return nn.RMSNorm(n)\n"
+        "def f(n):\n    return TorchNorm(n)\n"
+    )
+    rows = _rows(scan_source(code, "m.py", target="npu"))
+    assert rows == [("rmsnorm", (f"m.py:{a}-{a + 1}",)) for a in (11, 13, 15, 17)]
+
+
+def test_one_line_bodies_are_scanned():
+    code = (
+        "import torch.nn.functional as F\n"
+        "def norm(x): return F.rms_norm(x, x.shape[-1:])\n"
+        "def scale(model, n):\n"
+        "    for p in model.parameters(): p.grad /= n\n"
+    )
+    assert _rows(scan_source(code, "m.py", target="npu")) == [("optimizer_step", ("m.py:4",)), ("rmsnorm", ("m.py:2",))]

@@ -152,7 +152,10 @@ class _Builder:
 
     def block(self, body, env: dict, scope: Scope, loops: tuple, periodic: bool) -> None:
         for stmt in body:
-            self.statement(stmt, env, scope, loops, periodic)
+            if isinstance(stmt, cst.BaseSmallStatement):  # a one-line body: `def f(x): return g(x)`
+                self.small(stmt, env, self._stmt(stmt, scope, loops, periodic))
+            else:
+                self.statement(stmt, env, scope, loops, periodic)
 
     def _stmt(self, node, scope, loops, periodic) -> Stmt:
         start, end = self.lines(node)

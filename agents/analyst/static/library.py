@@ -26,11 +26,11 @@ from .model import Expr, FileModel, Scope, Stmt
 
 _FLEX = re.compile(r"(^|_)flex_attn$|flex_attention$")
 _FLASH = frozenset({"flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func",
-                    "flash_attn_varlen_qkvpacked_func", "flash_attn_interface", "varlen_attn"})
+                    "flash_attn_varlen_qkvpacked_func", "varlen_attn"})
 _TRANSPOSES = frozenset({"transpose", "permute", "swapaxes", "swapdims", "movedim"})
-_RMSNORM_CLASSES = frozenset({"nn.RMSNorm", "torch.nn.RMSNorm", "RMSNorm"})
+_RMSNORM_CLASSES = frozenset({"nn.RMSNorm", "torch.nn.RMSNorm"})
 _VIEWS = frozenset({"view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze", "view_as", "reshape_as"})
-_POINTWISE = frozenset({"mul", "div", "add", "sub", "neg", "tanh", "sigmoid", "clamp", "softcap"})
+_POINTWISE = frozenset({"mul", "div", "add", "sub", "neg", "tanh", "sigmoid", "clamp"})
 _CODE = cst.Module([])
 
 
@@ -51,6 +51,20 @@ def library_name(file: FileModel, c: Expr) -> str:
         if source.split(".")[0] in _LIBRARIES:
             return name
     return c.op
+
+
+def _torch_call(file: FileModel, c: Expr, name: str) -> bool:
+    """``c`` calls torch's ``name``: ``F.rms_norm``, ``torch.nn.RMSNorm`` or a name imported from torch.
+
+    A function of the same name defined in the scanned code, or imported from the user's own
+    package, is not the library's.
+    """
+    if c.method or c.op in file.functions:
+        return False
+    if c.callee == c.op:
+        source, imported = file.imports.get(c.op, ("", ""))
+        return imported == name and source.split(".")[0] == "torch"
+    return c.op == name and bool(c.callee) and c.callee.split(".")[0] in file.module_aliases
 
 
 def _is_true(e: Expr | None) -> bool:
@@ -154,12 +168,10 @@ def _class_match(file: FileModel, scope: Scope, found: Found) -> Match:
 def library_rmsnorm(files: list[FileModel]) -> list[Match]:
     out = []
     for file, _, c in _calls(files):
-        if library_name(file, c) == "rms_norm" and c.op not in file.functions and (not c.method or c.callee):
+        if _torch_call(file, c, "rms_norm"):
             note = "F.rms_norm: decomposes into pow/mean/add/rsqrt/mul in NPU eager; npu_rms_norm is one kernel"
-        elif c.callee in _RMSNORM_CLASSES and c.callee != "RMSNorm":
+        elif _torch_call(file, c, "RMSNorm"):
             note = "nn.RMSNorm: decomposes in NPU eager; npu_rms_norm is one kernel"
-        elif not c.method and library_name(file, c) == "RMSNorm" and c.op in file.imports:
-            note = "nn.RMSNorm (imported from torch): decomposes in NPU eager; npu_rms_norm is one kernel"
         else:
             continue
         out.append(_helper_match(IntentCategory.rmsnorm, file, c, Found(0.5, note)))
@@ -169,7 +181,7 @@ def library_rmsnorm(files: list[FileModel]) -> list[Match]:
                 bases = {_CODE.code_for_node(b.value) for b in scope.node.bases}
                 imported = {b for b in bases if file.imports.get(b, ("", ""))[1] == "RMSNorm"
                             and file.imports[b][0].split(".")[0] == "torch"}
-                if bases & {"nn.RMSNorm", "torch.nn.RMSNorm"} or imported:
+                if bases & _RMSNORM_CLASSES or imported:
                     note = f"class {scope.qualname} derives from nn.RMSNorm: decomposes in NPU eager; npu_rms_norm is one kernel"
                     out.append(_class_match(file, scope, Found(0.5, note)))
     return out
