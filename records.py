@@ -101,6 +101,7 @@ class IntentCategory(StrEnum):
     redundant_cast = "redundant_cast"
     permute_reshape = "permute_reshape"
     conv_layout = "conv_layout"
+    communication = "communication"  # collectives: one per parameter instead of bucketed, blocking instead of overlapped
     normalize = "normalize"
     porting_debt = "porting_debt"
 

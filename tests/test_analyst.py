@@ -72,6 +72,14 @@ def test_merge_keeps_static_spans_and_unites_detectors_and_program_level_categor
     assert [str(s) for s in by_category["optimizer_step"].spans] == ["train.py:70-72"]
 
 
+def test_merge_keeps_two_source_findings_of_a_program_level_category_apart():
+    merged = merge([intent("optimizer_step", (70, 72), IntentSource.static, "static", file="train.py"),
+                    intent("optimizer_step", (20, 31), IntentSource.static, "static", file="optim.py"),  # a Muon loop
+                    intent("optimizer_step", (59, 59), IntentSource.advisor_rule, "msprof_affinity", file="train.py")])
+    assert sorted(str(i.spans[0]) for i in merged) == ["optim.py:20-31", "train.py:70-72"]
+    assert sorted(d for i in merged for d in i.evidence.detectors) == ["msprof_affinity", "static", "static"]
+
+
 def test_align_counts_ops_per_region_and_labels_estimates():
     ops = [op(i, name, 10) for i, name in enumerate(["pow", "mean", "add", "rsqrt", "mul", "mul"])] + [op(6, "mm", 50, time_us=500.0)]
     ranked = align([intent("rmsnorm", (8, 12), IntentSource.static, "static"), intent("gelu", (30, 30), IntentSource.static, "static")], table(ops))

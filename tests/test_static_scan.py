@@ -1,4 +1,4 @@
-"""The analyst's static source scan (agents/analyst/static_scan.py).
+"""The analyst's static source scan (agents/analyst/static/).
 
 Expected findings were derived by reading the sources: each entry names the code it points at.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from trainbridge.agents.analyst.static_scan import StaticScanError, scan_repo, scan_repo_result, scan_source
+from trainbridge.agents.analyst.static.scan import StaticScanError, scan_repo, scan_repo_result, scan_source
 from trainbridge.records import Intent, IntentSource
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,8 +24,10 @@ STATIC_ONLY_BASIS = "no runtime evidence: not estimated"
 RUNTIME_BASIS = "estimate: eager time in region x (1 - K reference kernels / N eager ops)"
 NO_REFERENCE_BASIS = "estimate: eager time in region x 0.5 (no compiled reference to count kernels)"
 _HOST_SYNC_OPS = {"aten::_local_scalar_dense", "aten::item"}
-# Program-level categories: one intent per program, whatever lines the detectors pointed at
-# (the optimizer is rewritten where it is constructed, the advisor points at where it steps).
+# Program-level categories: one intent per program, whatever lines the runtime detectors pointed at
+# (the optimizer is rewritten where it is constructed, the advisor points at where it steps). Two
+# source findings at different places (an optimizer built with foreach=False and a Muon-style
+# per-parameter loop) are two rewrite sites and stay apart.
 _PROGRAM_LEVEL = {IntentCategory.optimizer_step, IntentCategory.conv_layout}
 
 
@@ -59,7 +61,8 @@ def merge(intents: list[Intent]) -> list[Intent]:
     kept: list[Intent] = []
     for intent in ordered:
         twin = next((k for k in kept if k.category == intent.category
-                     and (intent.category in _PROGRAM_LEVEL or _overlap(k.spans, intent.spans))), None)
+                     and (_overlap(k.spans, intent.spans) or (intent.category in _PROGRAM_LEVEL and not both_static(k, intent)))),
+                    None)
         if twin is None:
             kept.append(intent.model_copy(deep=True))
             continue
@@ -69,6 +72,10 @@ def merge(intents: list[Intent]) -> list[Intent]:
             twin.evidence.target_op_names = intent.evidence.target_op_names
         twin.confidence = min(1.0, max(twin.confidence, intent.confidence) + 0.1)
     return kept
+
+
+def both_static(a: Intent, b: Intent) -> bool:
+    return a.source == IntentSource.static and b.source == IntentSource.static
 
 
 def rank(intents: list[Intent]) -> list[Intent]:

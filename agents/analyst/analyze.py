@@ -18,7 +18,7 @@ from pydantic import Field
 
 from trainbridge.agents.analyst import affinity
 from trainbridge.agents.analyst.align import align
-from trainbridge.agents.analyst.static_scan import scan_repo_result
+from trainbridge.agents.analyst.static.scan import scan_repo_result
 from trainbridge.records import FusionGroup, Intent, Record
 from trainbridge.sandbox.results import RunResult
 from trainbridge.sandbox.runner import run_workload
@@ -67,7 +67,7 @@ def analyze_repo(
     root = workload.root
 
     with _timed("static_scan", timings, on_phase):
-        scanned = scan_repo_result(root)
+        scanned = scan_repo_result(root, target=backend)
     skipped = [f"{s.file}: {s.reason}" for s in scanned.skipped]
     if static_only:
         intents = align(scanned.intents)

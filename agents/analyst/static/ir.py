@@ -19,7 +19,7 @@ from typing import Iterator
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from .static_model import Binding, Expr, FileModel, Scope, StaticScanError, Stmt
+from .model import Binding, Expr, FileModel, Scope, StaticScanError, Stmt
 
 # Names that refer to modules when no import says otherwise (for code snippets without imports).
 DEFAULT_MODULE_ALIASES = frozenset({"torch", "math", "F", "nn", "np", "numpy", "torch_npu"})
@@ -152,7 +152,10 @@ class _Builder:
 
     def block(self, body, env: dict, scope: Scope, loops: tuple, periodic: bool) -> None:
         for stmt in body:
-            self.statement(stmt, env, scope, loops, periodic)
+            if isinstance(stmt, cst.BaseSmallStatement):  # a one-line body: `def f(x): return g(x)`
+                self.small(stmt, env, self._stmt(stmt, scope, loops, periodic))
+            else:
+                self.statement(stmt, env, scope, loops, periodic)
 
     def _stmt(self, node, scope, loops, periodic) -> Stmt:
         start, end = self.lines(node)
@@ -182,6 +185,7 @@ class _Builder:
             if isinstance(node, cst.For):
                 self.unbind(node.target, env)
             scope.loop_ops.setdefault(id(node), set())
+            scope.loop_lines[id(node)] = self.lines(node)
             self.block(node.body.body, env, scope, loops + (node,), periodic)
             if node.orelse is not None:
                 self.block(node.orelse.body.body, env, scope, loops, periodic)

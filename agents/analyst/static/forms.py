@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .static_match import (
+from .match import (
     Ctx,
     Expr,
     call,

@@ -1,10 +1,10 @@
 """The registry of the static scan's expression patterns, and what helper functions compute.
 
-Each pattern is a small matcher (in static_norms, static_activations, static_attention,
-static_layout) tried on every operation of every statement; it returns ``Found`` (how specific
+Each pattern is a small matcher (in norms, activations, attention,
+layout) tried on every operation of every statement; it returns ``Found`` (how specific
 the match is, what it saw) or None. Confidence stays in 0.3-0.6: a source match says what the
 code computes, not what it costs. To add a category: write a matcher with the primitives of
-static_match / static_forms and add an ``ExprPattern`` below.
+match / forms and add an ``ExprPattern`` below.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from typing import Callable
 
 from trainbridge.records import IntentCategory
 
-from .static_activations import gelu, gelu_shape, geglu, rope, silu, silu_form, swiglu
-from .static_attention import attention, cross_entropy, softmax
-from .static_forms import activation_of, rotate_half_inline
-from .static_layout import permute_reshape, redundant_cast
-from .static_match import Ctx, Expr, Found, Helper, RepoIndex, is_param
-from .static_norms import layernorm, normalize, rmsnorm
+from .activations import gelu, gelu_shape, geglu, rope, silu, silu_form, swiglu
+from .attention import attention, cross_entropy, softmax
+from .chains import blend, relu_squared, scale_and_shift, soft_cap
+from .forms import activation_of, rotate_half_inline
+from .layout import permute_reshape, redundant_cast
+from .match import Ctx, Expr, Found, Helper, RepoIndex, is_param
+from .norms import layernorm, normalize, rmsnorm
+from .rotary import rope_rotation
 
 
 def classify_helper(index: RepoIndex, helper: Helper) -> str | None:
@@ -55,6 +57,8 @@ def classify_helper(index: RepoIndex, helper: Helper) -> str | None:
 class ExprPattern:
     category: IntentCategory
     match: Callable[[Ctx, Expr], Found | None]
+    gain: str | None = None  # reported only for targets listing this gain (targets.GAINS); None: always
+    whole_function: bool = False  # span a helper that exists only for this op as a whole (helpers.py)
 
 
 # Order matters only when two patterns match at the same expression: the earlier one wins.
@@ -64,6 +68,7 @@ EXPRESSION_PATTERNS: tuple[ExprPattern, ...] = (
     ExprPattern(IntentCategory.layernorm, layernorm),
     ExprPattern(IntentCategory.rmsnorm, rmsnorm),
     ExprPattern(IntentCategory.rope, rope),
+    ExprPattern(IntentCategory.rope, rope_rotation, whole_function=True),
     ExprPattern(IntentCategory.swiglu, swiglu),
     ExprPattern(IntentCategory.geglu, geglu),
     ExprPattern(IntentCategory.gelu, gelu),
@@ -72,4 +77,8 @@ EXPRESSION_PATTERNS: tuple[ExprPattern, ...] = (
     ExprPattern(IntentCategory.normalize, normalize),
     ExprPattern(IntentCategory.permute_reshape, permute_reshape),
     ExprPattern(IntentCategory.redundant_cast, redundant_cast),
+    ExprPattern(IntentCategory.elementwise_chain, relu_squared, gain="elementwise_chain", whole_function=True),
+    ExprPattern(IntentCategory.elementwise_chain, soft_cap, gain="elementwise_chain", whole_function=True),
+    ExprPattern(IntentCategory.elementwise_chain, scale_and_shift, gain="elementwise_chain", whole_function=True),
+    ExprPattern(IntentCategory.elementwise_chain, blend, gain="elementwise_chain", whole_function=True),
 )

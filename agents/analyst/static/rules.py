@@ -13,8 +13,8 @@ from typing import Callable, Iterable
 
 from trainbridge.records import IntentCategory
 
-from .static_model import Expr, FileModel, Scope
-from .static_match import Found, Match, peek, peel
+from .model import Expr, FileModel, Scope
+from .match import Found, Match, peek, peel
 
 OPTIMIZERS = frozenset(
     {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam", "ASGD"}
@@ -63,19 +63,62 @@ def optimizer_rules(files: list[FileModel]) -> list[Match]:
         if c.op not in OPTIMIZERS or c.method:
             continue
         foreach, fused = c.kwargs.get("foreach"), c.kwargs.get("fused")
-        if _false(foreach):
+        chosen = _cuda_only(c)
+        if chosen:
+            note = (
+                f"{c.op}(..., {chosen}): the fused/foreach implementation is chosen by a condition on 'cuda', "
+                "so on other devices the per-parameter loop runs; pass fused=True where the target supports it "
+                "(or torch_npu's NpuFused*)"
+            )
+            out.append(Match.at_call(IntentCategory.optimizer_step, file, c, Found(0.55, note)))
+        elif _false(foreach):
             note = (
                 f"{c.op}(..., foreach=False): a loop of small kernels per parameter and update; "
                 "foreach/fused (or torch_npu's NpuFused*) updates all parameters in a few kernels"
             )
             out.append(Match.at_call(IntentCategory.optimizer_step, file, c, Found(0.6, note)))
-        elif foreach is None and fused is None:
+        elif foreach is None and fused is None and not _may_set_implementation(c.kwargs.get("***")):
             note = (
                 f"{c.op} with the default implementation (a per-parameter loop on CPU, foreach on CUDA/NPU); "
                 "a fused optimizer (fused=True, NpuFused*) updates all parameters in a few kernels"
             )
             out.append(Match.at_call(IntentCategory.optimizer_step, file, c, Found(0.3, note)))
     return out
+
+
+def _may_set_implementation(splat: Expr | None) -> bool:
+    """``**kwargs`` that may hold fused/foreach: anything but a dict(...) or {...} visibly without them."""
+    if splat is None:
+        return False
+    x = peek(splat)
+    if x.kind == "call" and x.op == "dict" and not x.args:
+        return any(k in x.kwargs for k in ("fused", "foreach", "***"))
+    if x.kind == "other" and x.op == "Dict":
+        keys = {peek(a).value for a in x.args if peek(a).kind == "str"}
+        return bool(keys & {"fused", "foreach"}) or len(keys) * 2 != len(x.args)
+    return True
+
+
+def _mentions_cuda(e: Expr, depth: int = 12) -> bool:
+    x = peek(e)
+    if x.kind == "str" and isinstance(x.value, str) and "cuda" in x.value:
+        return True
+    return depth > 0 and any(_mentions_cuda(a, depth - 1) for a in (*x.args, *x.kwargs.values()))
+
+
+def _cuda_only(c: Expr) -> str | None:
+    """How an optimizer's fused/foreach argument that is on only for CUDA is written, else None.
+
+    ``fused=use_fused`` with ``use_fused = ... device_type == 'cuda'``, or ``**extra_args`` built
+    from such a condition.
+    """
+    for key in ("fused", "***", "foreach"):
+        e = c.kwargs.get(key)
+        if e is None or peek(e).kind == "const" or not _mentions_cuda(e):
+            continue
+        name = e.op if e.kind == "name" else "..."
+        return f"**{name}" if key == "***" else f"{key}={name}"
+    return None
 
 
 def zero_grad_rules(files: list[FileModel]) -> list[Match]:
@@ -100,25 +143,35 @@ def host_syncs(files: list[FileModel]) -> list[Match]:
     Not reported: calls in code that runs once (also before or after the training loop of the
     function that runs it), calls under an ``if`` that uses ``%`` (logging
     every N steps), and calls in a loop that synchronizes the device itself every iteration
-    (a timing loop: the sync is already paid there, removing the .item() gains nothing).
+    (a timing loop: the sync is already paid there, removing the .item() gains nothing; a
+    ``synchronize()`` only under such an ``if``, around a periodic evaluation, does not count).
     """
     step_names = step_function_names(files)
 
     def training(ops: set[str]) -> bool:
         return "backward" in ops or _optimizer_step_called(ops) or bool(ops & step_names)
 
+    def full_step(ops: set[str]) -> bool:
+        return ("backward" in ops and _optimizer_step_called(ops)) or bool(ops & step_names)
+
     def outer_loops(scope: Scope) -> set[int]:
-        """Training loops that hold another training loop (epochs around steps): once per epoch."""
+        """Training loops that hold a loop of whole steps (epochs around steps): once per epoch.
+
+        An inner loop of micro-batches (backward, no optimizer step) or over the optimizers
+        (``for opt in optimizers: opt.step()``, no backward) is part of the step: the loop around
+        it runs once per step.
+        """
         outer = set()
         for c in scope.calls:
             chain = c.stmt.loops
             for i, loop in enumerate(chain):
-                if any(training(scope.loop_ops.get(id(inner), set())) for inner in chain[i + 1 :]):
+                if any(full_step(scope.loop_ops.get(id(inner), set())) for inner in chain[i + 1 :]):
                     outer.add(id(loop))
         return outer
 
     out: list[Match] = []
     outer: dict[int, set[int]] = {}
+    synced: dict[int, set[int]] = {}  # per scope: loops that synchronize the device every iteration
     for file, scope, c in _calls(files):
         if c.op not in HOST_SYNC_OPS or not c.method or c.stmt.periodic:
             continue
@@ -126,7 +179,10 @@ def host_syncs(files: list[FileModel]) -> list[Match]:
         if receiver.kind in ("name", "attr") and _MODULE_LIKE.search(receiver.op):
             continue
         loop_ops = [scope.loop_ops.get(id(loop), set()) for loop in c.stmt.loops]
-        if any("synchronize" in ops for ops in loop_ops):
+        if id(scope) not in synced:
+            synced[id(scope)] = {id(loop) for s in scope.calls if s.op == "synchronize" and not s.stmt.periodic
+                                 for loop in s.stmt.loops}
+        if any(id(loop) in synced[id(scope)] for loop in c.stmt.loops):
             continue
         steps = [loop for loop, ops in zip(c.stmt.loops, loop_ops) if training(ops)]
         if id(scope) not in outer:

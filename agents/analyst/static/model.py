@@ -1,6 +1,6 @@
 """Records of the static scan's source model: statements, expressions, scopes, files.
 
-``static_ir`` builds them from libcst trees; the patterns and rules read them.
+``ir`` builds them from libcst trees; the patterns and rules read them.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ class Scope:
     returns: list[Expr] = field(default_factory=list)
     ops: set[str] = field(default_factory=set)  # op names and dotted callees called in the scope
     loop_ops: dict[int, set[str]] = field(default_factory=dict)  # id(loop node) -> ops called in it
+    loop_lines: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(loop node) -> (first, last line)
 
     @property
     def tensor_params(self) -> list[str]:

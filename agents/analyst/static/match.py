@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .static_model import Expr, FileModel, Scope, Stmt
+from .model import Expr, FileModel, Scope, Stmt
 
 CAST_OPS = frozenset({"float", "double", "half", "bfloat16", "to", "type_as", "type"})
 _CONST_FUNCS = {"sqrt": math.sqrt, "exp": math.exp, "log": math.log, "tanh": math.tanh, "float": float}
@@ -355,6 +355,7 @@ class Match:
     helpers: list[Helper] = field(default_factory=list)
     sites: list[tuple[FileModel, Expr]] = field(default_factory=list)  # all places reported (conv layers)
     mergeable: bool = False  # one rewrite may cover neighbours of the same kind (rotary for q, then k)
+    whole_function: bool = False  # span the function when it exists only for this op (helpers.is_whole_function)
 
     @classmethod
     def from_ctx(cls, category: str, ctx: Ctx, root: Expr, found: Found, priority: int) -> "Match":

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from .static_forms import (
+from .forms import (
     reduce_of,
     tensor_factors,
 )
-from .static_match import (
+from .match import (
     Ctx,
     Expr,
     Found,
@@ -52,6 +52,10 @@ def _scores(ctx: Ctx, e: Expr, seen: dict, depth: int = 0) -> bool:
     if x.op == "einsum" and _einsum_operands(x) is not None:
         ctx.core.append(x)
         seen["transposed"] = True
+        return True
+    if not x.method and "mask" in x.op.lower() and x.args and _scores(ctx, x.args[0], seen, depth + 1):
+        ctx.core.append(x)  # a helper that adds the mask, e.g. maybe_add_mask(scores, bias)
+        seen["masked"] = True
         return True
     steps = {"masked_fill": (0,), "masked_fill_": (0,), "where": (1, 2), "add": (0, 1), "sub": (0,), "mul": (0, 1), "div": (0,)}
     if x.op in steps:

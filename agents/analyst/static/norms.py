@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .static_forms import (
+from .forms import (
     Factors,
     centred_of,
     mean_of,
@@ -14,12 +14,13 @@ from .static_forms import (
     square_of,
     tensor_factors,
 )
-from .static_match import (
+from .match import (
     Ctx,
     Expr,
     Found,
     call,
     factors,
+    peek,
     is_const,
     is_false,
     pattern,
@@ -49,6 +50,44 @@ def _rms_at(ctx: Ctx, fs: Factors, i: int) -> Found | None:
 
 
 @pattern
+def _normalize_scaled(ctx: Ctx, fs: Factors) -> Found | None:
+    """F.normalize(x, dim=-1) * sqrt(d) [* g]: x / ||x|| * sqrt(d) is x / rms(x)."""
+    for i, (f, p) in enumerate(fs):
+        unit = call(ctx, f, "normalize") if p == 1 else None
+        if unit is None or unit.method:
+            continue
+        order = unit.arg(1, "p")
+        if order is not None and not is_const(order, 2.0):
+            return None
+        dim = unit.arg(2, "dim")
+        if dim is not None and not is_const(dim, -1.0):
+            return None
+        rest = others(fs, {i})
+        root_d = [j for j, (g, q) in enumerate(rest) if q == 1 and _square_root(ctx, g)]
+        if not root_d:
+            return None
+        weighted = len(tensor_factors(others(rest, {root_d[0]}))) > 0
+        return Found(0.5, "RMSNorm written as F.normalize(x, dim=-1) * sqrt(d)" + (" * weight" if weighted else ""))
+    return None
+
+
+@pattern
+def _square_root(ctx: Ctx, e: Expr) -> bool:
+    """sqrt(d), d ** 0.5, math.sqrt(d), or a name such as self.scale / sqrt_d (a precomputed sqrt(d)).
+
+    A bare number is not enough: F.normalize(x) * 2.0 is a scaled L2 normalisation, not an RMSNorm.
+    """
+    return sqrt_of(ctx, e) is not None or _written_sqrt(e)
+
+
+def _written_sqrt(e: Expr) -> bool:
+    x = peek(e)
+    if x.kind == "call" and x.op in ("sqrt", "pow"):
+        return x.op == "sqrt" or (len(x.args) == 2 and is_const(x.args[1], 0.5))
+    return x.kind in ("name", "attr") and any(w in x.op.lower() for w in ("sqrt", "scale"))
+
+
+@pattern
 def rmsnorm(ctx: Ctx, e: Expr) -> Found | None:
     fs = factors(ctx, e)
     if len(fs) < 2:
@@ -57,7 +96,7 @@ def rmsnorm(ctx: Ctx, e: Expr) -> Found | None:
         found = _rms_at(ctx, fs, i)
         if found:
             return found
-    return None
+    return _normalize_scaled(ctx, fs)
 
 
 @pattern
@@ -114,7 +153,9 @@ def layernorm(ctx: Ctx, e: Expr) -> Found | None:
 
 @pattern
 def normalize(ctx: Ctx, e: Expr) -> Found | None:
-    """``x / x.norm(dim=-1, keepdim=True)`` (optionally clamped or + eps)."""
+    """``x / x.norm(dim=-1, keepdim=True)`` (optionally clamped or + eps); a whole-tensor norm
+    (``X / X.norm()``, ``X.norm(dim=(-2, -1))``: Newton-Schulz's scaling) is not a row normalisation
+    and is not reported."""
     div = call(ctx, e, "div")
     if div is None:
         return None
@@ -122,7 +163,8 @@ def normalize(ctx: Ctx, e: Expr) -> Found | None:
     if denominator is None:
         return None
     norm = call(ctx, denominator[0], "norm", "vector_norm")
-    if norm is not None and same(norm.args[0], div.args[0]):
+    dim = norm.arg(2, "dim") if norm is not None else None
+    if dim is not None and peek(dim).kind != "tuple" and same(norm.args[0], div.args[0]):
         order = norm.arg(1, "p") if norm.op == "norm" else norm.arg(1, "ord")
         if order is None or is_const(order, 2.0):
             return Found(0.45, "L2 normalisation written out: x / x.norm(dim, keepdim=True)")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .static_match import (
+from .match import (
     Ctx,
     Expr,
     Found,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .static_forms import (
+from .forms import (
     activation_of,
     const_product,
     const_product_is,
@@ -12,11 +12,13 @@ from .static_forms import (
     sigmoid_of,
     tensor_factors,
 )
-from .static_match import (
+from .match import (
     Ctx,
     Expr,
     Found,
+    Helper,
     call,
+    peek,
     factors,
     follow,
     is_const,
@@ -156,7 +158,23 @@ def rotate_half_of(ctx: Ctx, e: Expr) -> Expr | None:
         if helper is None and not x.method and x.op == "rotate_half":
             ctx.core.append(x)
             return x.args[0]
+        static = _static_method(ctx, x)
+        if static is not None and ctx.index.helper_kind(static) == "rotate_half":
+            ctx.core.append(x)
+            ctx.helpers.append(static)
+            return x.args[1]
     return rotate_half_inline(ctx, e)
+
+
+def _static_method(ctx: Ctx, x: Expr) -> Helper | None:
+    """``Class._rotate_half(t)``: a static method of a class defined in the same file."""
+    if not x.method or len(x.args) != 2:
+        return None
+    receiver = peek(x.args[0])
+    if receiver.kind != "name" or receiver.binding is not None:
+        return None
+    scope = ctx.file.methods.get((receiver.op, x.op))
+    return Helper(ctx.file, scope) if scope is not None else None
 
 
 @pattern

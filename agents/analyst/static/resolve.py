@@ -8,6 +8,9 @@
   span. The helper's own pattern, if any, stays an intent of its own: it is a separate rewrite site.
 - Expression matches of one category next to each other in one function (rotary for q on one
   line, for k on the next) become one intent; program-rule findings (two optimizers) stay apart.
+- A match of a detector that marks ``whole_function`` spans the whole function when the function
+  exists only to implement the op (helpers.is_whole_function); the patterns written before the
+  real-code detectors keep their statement spans, which the recipes are written against.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from collections import defaultdict
 
 from trainbridge.records import Evidence, Intent, IntentCategory, IntentSource, SourceSpan
 
-from .static_match import Match
+from .helpers import is_whole_function
+from .match import Match
 
 
 def drop_nested(matches: list[Match]) -> list[Match]:
@@ -50,14 +54,10 @@ def _merge_adjacent(matches: list[Match]) -> list[list[Match]]:
 
 def _spans(group: list[Match]) -> list[SourceSpan]:
     head = group[0]
-    spans = [
-        SourceSpan(
-            file=head.file.relpath,
-            line_start=min(m.start for m in group),
-            line_end=max(m.end for m in group),
-            function=head.scope.qualname,
-        )
-    ]
+    start, end = min(m.start for m in group), max(m.end for m in group)
+    if all(m.whole_function for m in group) and is_whole_function(group):
+        start, end = min(start, head.scope.start), max(end, head.scope.end)
+    spans = [SourceSpan(file=head.file.relpath, line_start=start, line_end=end, function=head.scope.qualname)]
     for m in group:
         for file, site in m.sites:
             spans.append(SourceSpan(file=file.relpath, line_start=site.start, line_end=site.end, function=site.stmt.scope.qualname))
