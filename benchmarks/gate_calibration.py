@@ -14,7 +14,8 @@ planted slowdown (every step spins for a fixed fraction of its own real work tim
 
 Design: every round runs one fresh sandbox child per program (baseline, baseline again,
 +2%, +5%, +10%), in an order rotated from round to round so that no program always runs first;
-all children of a round use the same timing seed, like the gate's pairs. Consecutive blocks of
+all children of a round use the same seed and batch indices and run exactly as the gate's children do
+(`gate.run_side`: probe, then parent-timed steps), like the gate's pairs. Consecutive blocks of
 ``--rounds`` rounds form independent gate runs; each is decided by `stats.decide_speed` exactly as
 `run_gate` decides after its timing phase. Partners in a round ran at most four children apart
 (the gate runs them back to back), so these figures are if anything pessimistic about pairing.
@@ -40,8 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainbridge.agents.profiler.gate import RoundInputs, run_side
 from trainbridge.agents.profiler.stats import SpeedOutcome, decide_speed, gate_decision
-from trainbridge.sandbox.runner import run_workload
 from trainbridge.sandbox.workload import Workload, load_workload
 
 HERE = Path(__file__).resolve().parent
@@ -107,12 +108,16 @@ def write_json(path: Path, record: dict) -> None:
 
 
 def run_round(programs: dict[str, Workload], order: list[str], seed: int, steps: int, backend: str) -> dict[str, list[float]]:
+    """One round: every program once, in a gate child exactly as `run_gate` runs each side (the probe,
+    then warm-up, measured and cool-down steps on the round's batch indices, timed by this process)."""
+    inputs = RoundInputs.draw(random.Random(seed), numerics_steps=3, warmup=next(iter(programs.values())).config.warmup_steps,
+                              steps=steps, index_range=256)
     samples = {}
     for name in order:
-        result = run_workload(programs[name].with_overrides(seed=seed, steps=steps), backend=backend, mode="measure")
-        if not result.ok or not result.step_times_s:
-            raise SystemExit(f"{name} failed in a calibration round: {result.failure}")
-        samples[name] = result.step_times_s
+        side = run_side(programs[name], inputs, backend=backend, extra_env=None, work_dir=None, label="baseline")
+        if side.run.failure is not None or not side.run.step_times_s:
+            raise SystemExit(f"{name} failed in a calibration round: {side.run.failure}")
+        samples[name] = side.run.step_times_s
     return samples
 
 

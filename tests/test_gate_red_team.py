@@ -71,3 +71,71 @@ def test_every_cheat_names_its_class_and_expectation():
     for cheat in CHEATS:
         expect = _header(cheat, "expect")
         assert expect == "not_accepted" or expect in VerdictReason.__members__, (cheat.name, expect)
+
+
+SNIFFER = '''
+import json as _json
+import os as _os
+import sys as _sys
+
+_honest_build = build
+
+
+def _observe(where):
+    frames, frame = [], _sys._getframe(1)
+    while frame is not None:
+        frames.append(frame.f_code.co_name)
+        frame = frame.f_back
+    harness = _sys.modules.get("trainbridge.sandbox.harness")
+    seen = {
+        "where": where,
+        "argv": _sys.argv,
+        "env": {k: v for k, v in _os.environ.items() if k != "PYTHONHASHSEED"},
+        "cwd": sorted(_os.listdir(".")),
+        "stack": frames,
+        "harness_globals": sorted(vars(harness)) if harness else None,
+        "modules": sorted(m for m in _sys.modules if m.startswith("trainbridge")),
+        "fds": sorted(_os.listdir("/proc/self/fd")),
+    }
+    with open("{LOG}", "a") as handle:
+        handle.write(_json.dumps(seen) + "\\n")
+
+
+def build(device, seed):
+    _observe("build")
+    parts = _honest_build(device, seed)
+    honest = parts["train_step"]
+    calls = [0]
+
+    def train_step(model, optimizer, batch):
+        calls[0] += 1
+        if calls[0] == 4:  # the first step after the probe's three
+            _observe("first timed step")
+        return honest(model, optimizer, batch)
+
+    parts["train_step"] = train_step
+    return parts
+'''
+
+
+def test_a_gate_child_cannot_tell_the_numerics_round_from_a_timing_round(tmp_path):
+    log = tmp_path / "observed.jsonl"
+    baseline, candidate = tmp_path / "baseline", tmp_path / "candidate"
+    shutil.copytree(REDTEAM / "base", baseline)
+    shutil.copytree(REDTEAM / "base", candidate)
+    step = candidate / "step.py"
+    step.write_text(step.read_text() + SNIFFER.replace("{LOG}", str(log)), encoding="utf-8")
+    verdict = run_gate(load_workload(baseline), load_workload(candidate), rounds=2, max_rounds=2, rng=random.Random(11))
+    assert not verdict.accepted and verdict.reason in NOT_ACCEPTED, verdict.message
+    import json
+
+    seen = [json.loads(line) for line in log.read_text().splitlines()]
+    by_place: dict[str, list[dict]] = {}
+    for entry in seen:
+        by_place.setdefault(entry["where"], []).append(entry)
+    assert {k: len(v) for k, v in by_place.items()} == {"build": 2, "first timed step": 2}  # round 0 and round 1
+    for place, entries in by_place.items():
+        first, second = entries
+        assert first == second, f"{place}: a gate child can tell its round: " + str(
+            {k: (first[k], second[k]) for k in first if first[k] != second[k]})
+    assert not any("measure" in a or "numerics" in a for a in seen[0]["argv"])
