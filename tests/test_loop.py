@@ -162,7 +162,8 @@ def no_llm(monkeypatch):
 
 
 def harness_children(pid: int) -> dict[int, str]:
-    """Sandbox children (`python -m trainbridge.sandbox.harness request.json MODE`) of `pid`: {pid: mode}."""
+    """Sandbox children of `pid` (`python -m trainbridge.sandbox.harness --channel R,W` for timed runs,
+    `... request.json MODE` for analysis): {pid: "timed" or the mode}."""
     found: dict[int, str] = {}
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
@@ -179,7 +180,9 @@ def harness_children(pid: int) -> dict[int, str]:
             except OSError:
                 continue
             if "trainbridge.sandbox.harness" in argv:
-                found[child] = argv[-1] if not argv[-1].endswith(".json") else "?"  # the runner labels children with their mode
+                # timed children (baseline measurement, every gate child) are driven over --channel and carry no
+                # mode in argv; analysis children are labelled with theirs
+                found[child] = "timed" if "--channel" in argv else (argv[-1] if not argv[-1].endswith(".json") else "?")
     return found
 
 
@@ -198,12 +201,12 @@ class Driver:
 
     def watch(self, *, kill_at_measure: int | None = None, kill_after_s: float | None = None, timeout_s: float = 600,
               before_kill=None) -> int:
-        """Wait for the process; SIGKILL it when its `kill_at_measure`-th measurement child is running
+        """Wait for the process; SIGKILL it when its `kill_at_measure`-th timed child is running
         (calling `before_kill()` first), or after `kill_after_s`. Returns the exit status (-9 when killed)."""
         started = time.monotonic()
         while self.proc.poll() is None:
             self.sandbox_children.update(harness_children(self.proc.pid))
-            measuring = [pid for pid, mode in self.sandbox_children.items() if mode == "measure"]
+            measuring = [pid for pid, mode in self.sandbox_children.items() if mode == "timed"]
             if (kill_at_measure is not None and len(measuring) >= kill_at_measure) or \
                     (kill_after_s is not None and time.monotonic() - started >= kill_after_s):
                 if before_kill is not None and kill_at_measure is not None:
