@@ -15,16 +15,47 @@ import os as _os
 import torch as _torch
 
 from . import npu, optim
+from ._activations import fast_gelu, npu_fast_gelu, npu_fast_gelu_backward, npu_gelu, npu_gelu_backward
 from ._attention import npu_fusion_attention, npu_fusion_attention_grad
+from ._attention_variants import (
+    npu_fusion_attention_grad_v2,
+    npu_fusion_attention_grad_v3,
+    npu_fusion_attention_v2,
+    npu_fusion_attention_v3,
+)
+from ._cross_entropy import npu_cross_entropy_loss, npu_cross_entropy_loss_backward
+from ._dropout_mask import _npu_dropout_gen_mask
+from ._format import get_npu_format, npu_format_cast, npu_format_cast_
 from ._gated import npu_geglu, npu_geglu_grad, npu_swiglu, npu_swiglu_backward
 from ._norm import npu_add_rms_norm, npu_rms_norm, npu_rms_norm_backward
+from ._rope_ops import npu_apply_rotary_pos_emb, npu_interleave_rope
 from ._rotary import npu_rotary_mul, npu_rotary_mul_backward
+from ._softmax import npu_scaled_masked_softmax, npu_scaled_masked_softmax_backward
 from ._transpose import npu_confusion_transpose
 
 __trainbridge_emulated__ = True
 __version__ = _torch.__version__.split("+")[0]
 
 __all__ = [
+    "_npu_dropout_gen_mask",
+    "fast_gelu",
+    "get_npu_format",
+    "npu_apply_rotary_pos_emb",
+    "npu_cross_entropy_loss",
+    "npu_cross_entropy_loss_backward",
+    "npu_fast_gelu",
+    "npu_fast_gelu_backward",
+    "npu_format_cast",
+    "npu_format_cast_",
+    "npu_fusion_attention_grad_v2",
+    "npu_fusion_attention_grad_v3",
+    "npu_fusion_attention_v2",
+    "npu_fusion_attention_v3",
+    "npu_gelu",
+    "npu_gelu_backward",
+    "npu_interleave_rope",
+    "npu_scaled_masked_softmax",
+    "npu_scaled_masked_softmax_backward",
     "npu_add_rms_norm",
     "npu_confusion_transpose",
     "npu_fusion_attention",

@@ -14,8 +14,12 @@ import torch
 from . import _attention_plan as ap
 from ._attention_checks import build_plan
 from ._checks import check_int, check_tensor, compute_dtype, sum_to_shape
+from ._generator import default_generator
+from .npu._state import current_index
 
 OP = ap.OP
+# FlashAttentionKernelNpuOpApi.cpp dropout_gen_mask: philox_engine_inputs(10) (offset advances by 12)
+_PHILOX_INCREMENT = 10
 
 
 # --- math on one segment, BNSD ----------------------------------------------------------------
@@ -207,8 +211,8 @@ def _attach_dropout(plan, batch, dropout_mask, seed, offset, draw):
         check_tensor(OP, "dropout_mask", dropout_mask)
         bits = ap.unpack_keep_bits(dropout_mask, plan.numels)
     else:
-        if draw:  # like the NPU code: seed/offset come from the default generator, user values overwritten
-            seed, offset = int(torch.randint(0, 2**31 - 1, (), device="cpu")), 0
+        if draw:  # like the NPU code: seed/offset come from the NPU generator, user values overwritten
+            seed, offset = default_generator(current_index()).philox_engine_inputs(_PHILOX_INCREMENT)
         bits = ap.generate_keep_bits(plan.numels, plan.keep_prob, seed, offset)
     ap.split_keep_bits(bits, plan, batch)
     return seed, offset
@@ -227,7 +231,8 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     Pitfalls kept from torch_npu: scale defaults to 1.0; atten_mask True = masked (excluded); without
     atten_mask, sparse_mode and pre/next_tockens are ignored (dense attention); causal top-left is
     sparse_mode=2, bottom-right sparse_mode=3, both with the 2048x2048 triu(diagonal=1) template.
-    Dropout bits come from the emulation's own RNG (NPU Philox bits are not reproducible on CPU).
+    Dropout: seed/offset from the emulated NPU generator (torch.npu.manual_seed), offset +12 per
+    call, never the host generator; the bits are the emulation's own (Philox on DSA is not reproducible).
     """
     plan, batch = build_plan(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
                              keep_prob, pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen,

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._dropout_mask import drop_prob_from_keep, keep_bits
+
 
 OP = "npu_fusion_attention"
 TEMPLATE_SIDE = 2048
@@ -201,15 +203,9 @@ def cumulative_to_rows(name: str, offsets, total: int) -> list[tuple[int, int]]:
 # --- dropout --------------------------------------------------------------------------------
 
 
-def _mixed_seed(seed: int, offset: int) -> int:
-    return (int(seed) * 1_000_003 + int(offset)) % (2**63 - 1)
-
-
 def generate_keep_bits(numels: int, keep_prob: float, seed: int, offset: int) -> torch.Tensor:
-    """Emulation's dropout RNG (NPU Philox bits cannot be reproduced on CPU): 1 = keep."""
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(_mixed_seed(seed, offset))
-    return torch.rand(numels, generator=gen, device="cpu") < keep_prob
+    """The bits the NPU's DropoutGenMask makes for (1 - keep_prob, seed, offset): 1 = keep (see _dropout_mask)."""
+    return keep_bits(numels, drop_prob_from_keep(keep_prob), seed, offset)
 
 
 def unpack_keep_bits(dropout_mask: torch.Tensor, numels: int) -> torch.Tensor:
