@@ -78,6 +78,6 @@ def _autoload() -> None:
 
 
 if _os.environ.get("TRAINBRIDGE_NPU_EMULATION_DEVICE_MAP", "1") != "0":
-    from ._device_map import install as _install
+    from ._device_mode import install as _install
 
     _install(npu)

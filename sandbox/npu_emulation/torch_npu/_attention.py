@@ -49,10 +49,16 @@ def _probs(s, keep, m, l, sink_v):
     return p, p_sink
 
 
+def _on(t, like):
+    """A plan tensor (keep-set or dropout bits, built on the host) on the device of `like`."""
+    return t if t is None or t.device == like.device else t.to(like.device)
+
+
 def _segment_forward(q, k, v, seg, pse, sink_v, scale, keep_prob, group):
     s = _scores(q, k, pse, scale, group)
-    if seg.keep is not None:
-        s = s.masked_fill(~seg.keep, float("-inf"))
+    keep, drop = _on(seg.keep, q), _on(seg.drop, q)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     if sink_v is not None:
         m = torch.maximum(m, sink_v.expand_as(m))
@@ -60,21 +66,22 @@ def _segment_forward(q, k, v, seg, pse, sink_v, scale, keep_prob, group):
     l = torch.exp(s - m_safe).sum(dim=-1, keepdim=True)
     if sink_v is not None:
         l = l + torch.exp(sink_v - m_safe)
-    p, _ = _probs(s, seg.keep, m, l, sink_v)
-    if seg.drop is not None:
-        p = p * seg.drop / keep_prob
+    p, _ = _probs(s, keep, m, l, sink_v)
+    if drop is not None:
+        p = p * drop / keep_prob
     return p @ _repeat_kv(v, group), m, l
 
 
 def _segment_backward(q, k, v, do, seg, pse, sink_v, m, l, scale, keep_prob, group):
     s = _scores(q, k, pse, scale, group)
-    p, p_sink = _probs(s, seg.keep, m, l, sink_v)
+    keep, drop = _on(seg.keep, q), _on(seg.drop, q)
+    p, p_sink = _probs(s, keep, m, l, sink_v)
     v_rep = _repeat_kv(v, group)
-    pd = p * seg.drop / keep_prob if seg.drop is not None else p
+    pd = p * drop / keep_prob if drop is not None else p
     dv = pd.transpose(-1, -2) @ do
     dp = do @ v_rep.transpose(-1, -2)
-    if seg.drop is not None:
-        dp = dp * seg.drop / keep_prob
+    if drop is not None:
+        dp = dp * drop / keep_prob
     row = (dp * p).sum(dim=-1, keepdim=True)
     ds = p * (dp - row)
     dq = scale * (ds @ _repeat_kv(k, group))
@@ -240,7 +247,7 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     seed_out, offset_out = _attach_dropout(plan, batch, dropout_mask, check_int(OP, "seed", seed),
                                            check_int(OP, "offset", offset), draw=True)
     out, smax, ssum = _FusionAttention.apply(query, key, value, pse, sink, plan)
-    softmax_out = torch.empty(0, dtype=query.dtype, device="cpu")
+    softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
     return out, smax, ssum, softmax_out, seed_out, offset_out, plan.numels
 
 
@@ -277,5 +284,5 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
             smax, ssum = softmax_max, softmax_sum
         maxes, sums = _unpack_stats(smax, plan, cd), _unpack_stats(ssum, plan, cd)
         dq, dk, dv, dpse, dsink = _run_backward(query, key, value, dy, pse, sink, maxes, sums, plan)
-    empty = torch.empty(0, dtype=query.dtype, device="cpu")
+    empty = torch.empty(0, dtype=query.dtype, device=query.device)
     return dq, dk, dv, dpse if dpse is not None else empty, dsink if dsink is not None else empty

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import _attention_plan as ap
-from ._checks import EMULATION_FLOAT_DTYPES, check_int, check_tensor
+from ._checks import EMULATION_FLOAT_DTYPES, check_int, check_same_device, check_tensor
 
 OP = ap.OP
 LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
@@ -253,6 +253,7 @@ def build_plan(query, key, value, head_num, input_layout, pse, padding_mask, att
     batch = 1 if layout == "TND" else b
     mask = None
     if atten_mask is not None:
+        check_same_device(OP, query, atten_mask)
         mask = ap.as_bool_mask(check_tensor(OP, "atten_mask", atten_mask))
         _check_mask_args(mask, mode, layout, prefix, pre, nxt, lengths, b, nq)
 

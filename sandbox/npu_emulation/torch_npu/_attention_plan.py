@@ -117,7 +117,7 @@ def as_bool_mask(atten_mask: torch.Tensor) -> torch.Tensor:
             f"{OP}: atten_mask must be bool or uint8 with True/1 = masked (excluded), got {atten_mask.dtype}; "
             "convert an additive float mask with `mask < 0` (or `~keep` for an SDPA-style keep mask)"
         )
-    return atten_mask.bool()
+    return atten_mask.bool().cpu()  # the keep-set is planned on the host; moved to the inputs' device at use
 
 
 def prefix_template() -> torch.Tensor:

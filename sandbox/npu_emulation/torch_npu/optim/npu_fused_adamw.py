@@ -17,6 +17,8 @@ import math
 import torch
 from torch.optim.optimizer import Optimizer
 
+from .._device_backend import rebind
+
 _FUSED_DTYPES = (torch.float32, torch.float16)
 
 
@@ -28,13 +30,13 @@ class _Flat:
         self.sizes = [p.numel() for p in params]
         dtype = params[0].dtype
         total = sum(self.sizes)
-        self.param = torch.zeros(total, dtype=dtype, device="cpu")
-        self.grad = torch.zeros(total, dtype=dtype, device="cpu")
+        self.param = torch.zeros(total, dtype=dtype, device=params[0].device)
+        self.grad = torch.zeros(total, dtype=dtype, device=params[0].device)
         self.states: dict[str, torch.Tensor] = {}
         self.step = 0
         for p, view in zip(params, self.views(self.param)):
             view.copy_(p.detach())
-            p.data = view
+            rebind(p, view)
         for p, view in zip(params, self.views(self.grad)):
             view.copy_(p.grad.detach())
             p.grad = view
