@@ -17,6 +17,8 @@ device guard) and gives it kernels written in Python:
   npu:0 and cpu!";
 - c10d collectives on device tensors run on their host values (gloo), so DDP(model,
   device_ids=[local_rank]) works on an emulated-npu module.
+Known deviation: every process's device tensors report npu:0, whatever torch.npu.set_device chose
+(one device per process is all the hook's autograd support allows; see _npu_device).
 Autocast for device_type "npu" is emulated with CPU autocast's op lists (see _device_autocast).
 Everything runs on the CPU: speed means nothing, numerics are what it checks.
 """
@@ -38,12 +40,16 @@ _MIXED_OK = {
     _aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default, _aten._index_put_impl_.default,
     _aten.set_.source_Tensor, _aten.lift_fresh.default,
 }
+# stream bookkeeping: the emulated device has one synchronous stream
+_NO_OPS = {_aten.record_stream.default}
 
 
 def _npu_device(index: int | None = None) -> torch.device:
-    from .npu._state import current_index
-
-    return torch.device("npu", current_index() if index is None else index)
+    """Every device tensor of a process is on npu:0. PyTorch's Python backend hook gives the autograd
+    engine one ready queue for the backend (its device guard reports one device), so a tensor on
+    npu:1 fails in backward; torch.npu.set_device(local_rank) is still honoured by the torch.npu
+    queries (current_device, device_count from TRAINBRIDGE_EMULATED_NPU_COUNT)."""
+    return torch.device("npu", 0)
 
 
 class NpuTensor(torch.Tensor):
@@ -62,6 +68,15 @@ class NpuTensor(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    # a traceable wrapper subclass: Module.to() then swaps parameters in place (torch.utils.swap_tensors)
+    # instead of making new Parameter objects, so tied weights stay tied and optimizers keep their params
+    def __tensor_flatten__(self):
+        return ["_host"], (self.device,)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
+        return NpuTensor(inner_tensors["_host"], meta[0])
+
     def __repr__(self, *, tensor_contents=None):
         text = repr(self._host)
         head, _, rest = text.partition("(")
@@ -78,6 +93,8 @@ class NpuTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _NO_OPS:
+            return None
         flat, _ = tree_flatten((args, kwargs))
         device = next(a.device for a in flat if isinstance(a, NpuTensor))
         if func not in _MIXED_OK:
