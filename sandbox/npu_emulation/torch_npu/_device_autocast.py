@@ -28,6 +28,7 @@ FLOAT32 = (
 )
 
 _lib: torch.library.Library | None = None
+_fallthrough: torch.library.Library | None = None
 _KEY = torch._C.DispatchKey.AutocastPrivateUse1
 
 
@@ -51,9 +52,12 @@ def _kernel(op: str, to_fp32: bool):
 
 
 def install() -> None:
-    global _lib
+    global _lib, _fallthrough
     if _lib is not None:
         return
+    # every other op passes through the autocast key unchanged (torch_npu registers the same in C++)
+    _fallthrough = torch.library.Library("_", "IMPL")
+    _fallthrough.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
     _lib = torch.library.Library("aten", "IMPL")
     for ops, to_fp32 in ((LOWER_PRECISION, False), (FLOAT32, True)):
         for op in ops:
