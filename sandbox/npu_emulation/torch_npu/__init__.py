@@ -34,7 +34,8 @@ from ._softmax import npu_scaled_masked_softmax, npu_scaled_masked_softmax_backw
 from ._transpose import npu_confusion_transpose
 
 __trainbridge_emulated__ = True
-__version__ = _torch.__version__.split("+")[0]
+_RELEASE = _torch.__version__.split("+")[0]  # torch_npu pins torch's release
+__version__ = _RELEASE
 
 __all__ = [
     "_npu_dropout_gen_mask",
@@ -80,4 +81,5 @@ def _autoload() -> None:
 if _os.environ.get("TRAINBRIDGE_NPU_EMULATION_DEVICE_MAP", "1") != "0":
     from ._device_mode import install as _install
 
-    _install(npu)
+    # the local version label says which emulated device is in use (reported in the run's versions)
+    __version__ = f"{_RELEASE}+trainbridge.{_install(npu)}"
