@@ -29,9 +29,38 @@ REFERENCE = Path(__file__).parent / "fixtures" / "npu_reference"
 TEMPLATE = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
 
 
+CONFORMANCE_ON_DEVICE_ENV = "TRAINBRIDGE_NPU_CONFORMANCE_ON_DEVICE"
+
+
+def on_device() -> bool:
+    """True in a process dedicated to running the tests on the emulated npu device (see
+    benchmarks/npu_emulation_conformance.py); the stand-in then registers the device in-process."""
+    return os.environ.get(CONFORMANCE_ON_DEVICE_ENV) == "1"
+
+
+def to_npu(t: torch.Tensor) -> torch.Tensor:
+    """The test's `x.npu()`: a copy on the emulated device, or a host copy where no device is registered."""
+    return t.npu() if on_device() else t.detach().clone()
+
+
+def upstream(api: str, source: str, case: str):
+    """Tags a test with the Ascend test it mirrors: `source` is "<repo> <path>", `case` the test method."""
+    def mark(fn):
+        fn.upstream = (api, source, case)
+        return fn
+    return mark
+
+
 @pytest.fixture(scope="module")
 def tnpu():
-    """The stand-in, imported in-process without the device mapping; removed again afterwards."""
+    """The stand-in, imported in-process without the device mapping; removed again afterwards.
+    With TRAINBRIDGE_NPU_CONFORMANCE_ON_DEVICE=1 it is imported with the device and kept."""
+    if on_device():
+        sys.path.insert(0, str(emulation_path()))
+        module = importlib.import_module("torch_npu")
+        assert module.__trainbridge_emulated__ is True and torch.zeros(1, device="npu").device.type == "npu"
+        yield module
+        return
     assert "torch_npu" not in sys.modules, "a torch_npu is already imported in this process"
     old_env = os.environ.get("TRAINBRIDGE_NPU_EMULATION_DEVICE_MAP")
     os.environ["TRAINBRIDGE_NPU_EMULATION_DEVICE_MAP"] = "0"
