@@ -286,9 +286,9 @@ def test_fusion_attention_prefix_modes_5_and_6(tnpu):
     torch.testing.assert_close(o6, _ref_attn(q, k, v, keep=keep))
     o5 = tnpu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=~keep, prefix=prefix, sparse_mode=5)[0]
     torch.testing.assert_close(o5, o6)
-    with pytest.raises(ValueError, match="prefix\\[1\\]=0 must lie in \\[1, 6\\]"):
+    with pytest.raises(RuntimeError, match="prefix\\[1\\]=0 must lie in \\[1, 6\\]"):
         tnpu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=prefix_template, prefix=[4, 0], sparse_mode=6)
-    with pytest.raises(ValueError, match="needs prefix"):
+    with pytest.raises(RuntimeError, match="needs prefix"):
         tnpu.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=prefix_template, sparse_mode=6)
 
 
@@ -349,31 +349,31 @@ def test_fusion_attention_fully_masked_row_warns(tnpu):
 
 
 @pytest.mark.parametrize("call,error,match", [
-    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 0, "BNSD"), ValueError, "head_num must > 0"),
-    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 3, "BNSD"), ValueError, "head_num=3 is inconsistent"),
-    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BHSD"), ValueError, "input_layout 'BHSD'"),
-    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BSH"), ValueError, "needs 3-D query"),
-    (lambda t, q, k, v: t.npu_fusion_attention(q[0, 0], k[0, 0], v[0, 0], 4, "BNSD"), ValueError, "3-D or 4-D"),
-    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", sparse_mode=9), ValueError, "sparse_mode value"),
-    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", keep_prob=0.0), ValueError, "keep_prob"),
-    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", keep_prob=1.5), ValueError, "keep_prob"),
+    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 0, "BNSD"), RuntimeError, "head_num must > 0"),
+    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 3, "BNSD"), RuntimeError, "head_num=3 is inconsistent"),
+    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BHSD"), RuntimeError, "input_layout should be BSH/SBH/BNSD/BSND/TND\\(case-insensitive\\), but got BHSD"),
+    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BSH"), RuntimeError, "needs 3-D query"),
+    (lambda t, q, k, v: t.npu_fusion_attention(q[0, 0], k[0, 0], v[0, 0], 4, "BNSD"), RuntimeError, "should be 3 or 4 dimensional"),
+    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", sparse_mode=9), RuntimeError, "sparse_mode value"),
+    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", keep_prob=0.0), RuntimeError, "keep_prob"),
+    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", keep_prob=1.5), RuntimeError, "keep_prob"),
     (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=torch.zeros(5, 5)), TypeError,
      "bool or uint8"),
-    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=~TEMPLATE, sparse_mode=2), ValueError,
+    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=~TEMPLATE, sparse_mode=2), RuntimeError,
      "compressed causal template"),
     (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=~_top_left(5, 5), sparse_mode=3),
-     ValueError, "compressed atten_mask"),
+     RuntimeError, "compressed atten_mask"),
     (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=torch.zeros(3, 5, 5, dtype=torch.bool)),
-     ValueError, "atten_mask shape"),
+     RuntimeError, "atten_mask shape"),
     (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", atten_mask=TEMPLATE, sparse_mode=4,
-                                               pre_tockens=-1, next_tockens=-1), ValueError, "both be negative"),
-    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", softmax_layout="TND"), ValueError,
+                                               pre_tockens=-1, next_tockens=-1), RuntimeError, "both be negative"),
+    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", softmax_layout="TND"), RuntimeError,
      "softmax_layout='TND' needs"),
-    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", padding_mask=q), ValueError, "padding_mask"),
+    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", padding_mask=q), RuntimeError, "padding_mask"),
     (lambda t, q, k, v: t.npu_fusion_attention(q, k.half(), v, 4, "BNSD"), TypeError, "share one dtype"),
     (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", pse=torch.zeros(2, 4, 5, 5).double()), TypeError,
      "pse dtype"),
-    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", actual_seq_qlen=[5]), ValueError, "only for"),
+    (lambda t, q, k, v: t.npu_fusion_attention(q, k, v, 4, "BNSD", actual_seq_qlen=[5]), RuntimeError, "only for"),
 ])
 def test_fusion_attention_validation(tnpu, call, error, match):
     q, k, v = _qkv()
@@ -383,24 +383,24 @@ def test_fusion_attention_validation(tnpu, call, error, match):
 
 def test_fusion_attention_validation_bsh_and_tnd(tnpu):
     q = torch.randn(2, 5, 12)
-    with pytest.raises(ValueError, match="head_num=5 does not divide"):
+    with pytest.raises(RuntimeError, match="head_num=5 does not divide"):
         tnpu.npu_fusion_attention(q, q, q, 5, "BSH")
     lq = lk = [2, 3]
     tq, tk, tv = _tnd(lq, lk)
-    with pytest.raises(ValueError, match="needs actual_seq_qlen"):
+    with pytest.raises(RuntimeError, match="needs actual_seq_qlen"):
         tnpu.npu_fusion_attention(tq, tk, tv, 2, "TND")
-    with pytest.raises(ValueError, match="same length"):
+    with pytest.raises(RuntimeError, match="same length"):
         tnpu.npu_fusion_attention(tq, tk, tv, 2, "TND", actual_seq_qlen=[2, 5], actual_seq_kvlen=[5])
-    with pytest.raises(ValueError, match="cumulative"):
+    with pytest.raises(RuntimeError, match="cumulative"):
         tnpu.npu_fusion_attention(tq, tk, tv, 2, "TND", actual_seq_qlen=[3, 2], actual_seq_kvlen=[2, 5])
-    with pytest.raises(ValueError, match="upper case"):
+    with pytest.raises(RuntimeError, match="upper case"):
         tnpu.npu_fusion_attention(tq, tk, tv, 2, "tnd", actual_seq_qlen=[2, 5], actual_seq_kvlen=[2, 5])
-    with pytest.raises(ValueError, match="sparse_mode value"):
+    with pytest.raises(RuntimeError, match="sparse_mode value"):
         tnpu.npu_fusion_attention(tq, tk, tv, 2, "TND", actual_seq_qlen=[2, 5], actual_seq_kvlen=[2, 5], sparse_mode=5)
     with pytest.raises(NotImplementedError, match="sparse_mode=7"):
         tnpu.npu_fusion_attention(tq, tk, tv, 2, "TND", actual_seq_qlen=[2, 5], actual_seq_kvlen=[2, 5], sparse_mode=7)
     kq, kk, kv = _tnd([3, 2], [2, 3])
-    with pytest.raises(ValueError, match="every Sq_i <= Skv_i"):
+    with pytest.raises(RuntimeError, match="every Sq_i <= Skv_i"):
         tnpu.npu_fusion_attention(kq, kk, kv, 2, "TND", atten_mask=TEMPLATE, sparse_mode=3,
                                   actual_seq_qlen=[3, 5], actual_seq_kvlen=[2, 5])
 

@@ -267,14 +267,14 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
                              actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink)
     check_tensor(OP, "dy", dy)
     if dy.shape[:-1] != query.shape[:-1] or dy.dim() != query.dim():
-        raise ValueError(
+        raise RuntimeError(
             f"npu_fusion_attention_grad: dy shape {tuple(dy.shape)} does not match the attention output of "
             f"query {tuple(query.shape)}"
         )
     _attach_dropout(plan, batch, None, check_int(OP, "seed", seed), check_int(OP, "offset", offset), draw=False)
     cd = compute_dtype(query.dtype)
     if (softmax_max is None) != (softmax_sum is None):
-        raise ValueError("npu_fusion_attention_grad: pass both softmax_max and softmax_sum, or neither")
+        raise RuntimeError("npu_fusion_attention_grad: pass both softmax_max and softmax_sum, or neither")
     with torch.no_grad():
         if softmax_max is None:
             _, smax, ssum = _FusionAttention.apply(query.detach(), key.detach(), value.detach(),

@@ -180,23 +180,23 @@ def warn_fully_masked(keep: torch.Tensor | None, shape: tuple[int, int, int, int
 def cumulative_to_rows(name: str, offsets, total: int) -> list[tuple[int, int]]:
     """Cumulative end offsets (no leading 0; trailing zeros exclude sequences) -> [(start, end)]."""
     if offsets is None:
-        raise ValueError(f"{OP}: input_layout TND needs {name} (cumulative end offsets, e.g. cu_seqlens[1:])")
+        raise RuntimeError(f"{OP}: input_layout TND needs {name} (cumulative end offsets, e.g. cu_seqlens[1:])")
     if isinstance(offsets, torch.Tensor):
         offsets = offsets.tolist()
     offsets = [int(v) for v in offsets]
     if not offsets:
-        raise ValueError(f"{OP}: {name} must not be empty")
+        raise RuntimeError(f"{OP}: {name} must not be empty")
     n = len(offsets)
     while n > 1 and offsets[n - 1] == 0:
         n -= 1
     rows, start = [], 0
     for k, end in enumerate(offsets[:n]):
         if end < start:
-            raise ValueError(f"{OP}: {name} must be cumulative (non-decreasing) end offsets, got {offsets} (entry {k})")
+            raise RuntimeError(f"{OP}: {name} must be cumulative (non-decreasing) end offsets, got {offsets} (entry {k})")
         rows.append((start, end))
         start = end
     if start != total:
-        raise ValueError(f"{OP}: the last entry of {name} ({start}) must equal T ({total}), got {offsets}")
+        raise RuntimeError(f"{OP}: the last entry of {name} ({start}) must equal T ({total}), got {offsets}")
     return rows + [(start, start)] * (len(offsets) - n)
 
 
@@ -214,7 +214,7 @@ def unpack_keep_bits(dropout_mask: torch.Tensor, numels: int) -> torch.Tensor:
         raise TypeError(f"{OP}: dropout_mask must be a packed uint8 tensor, got {dropout_mask.dtype}")
     flat = dropout_mask.reshape(-1)
     if flat.numel() * 8 < numels:
-        raise ValueError(f"{OP}: dropout_mask holds {flat.numel() * 8} bits, needs {numels}")
+        raise RuntimeError(f"{OP}: dropout_mask holds {flat.numel() * 8} bits, needs {numels}")
     bits = (flat.to(torch.int32).unsqueeze(-1) >> torch.arange(8, dtype=torch.int32)) & 1
     return bits.reshape(-1)[:numels].bool()
 
