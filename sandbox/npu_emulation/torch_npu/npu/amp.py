@@ -24,7 +24,12 @@ class autocast(torch.autocast):
 class GradScaler(torch.amp.GradScaler):
     def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
                  enabled=True, dynamic=True, **kwargs):
-        if not dynamic:  # torch_npu's static loss scale: never grows or backs off
-            growth_factor, backoff_factor, growth_interval = 1.0, 1.0, 2**31 - 1
         super().__init__(_device_type(), init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
+        self._dynamic = dynamic
+
+    def update(self, new_scale=None):
+        """torch_npu's dynamic=False: a static loss scale (never grows or backs off; inf steps still skipped)."""
+        if self._dynamic or new_scale is not None or not self._enabled:
+            return super().update(new_scale)
+        self._per_optimizer_states.clear()

@@ -49,7 +49,7 @@ def rtol_equal(expected, actual, prec: float = 1e-4, prec16: float = 1e-3, auto_
         tol, minimum = prec, _MIN
     else:
         return f"unsupported dtype {x.dtype}"
-    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    x64, y64 = np.atleast_1d(x.astype(np.float64)), np.atleast_1d(y.astype(np.float64))
     nan = np.isnan(x64)
     if not np.array_equal(nan, np.isnan(y64)):
         return "NaNs at different places"
