@@ -95,3 +95,83 @@ def test_fused_adamw_late_grad_and_clip(tnpu):
         opt.step()
 
 
+
+
+# ================================================================================ every fused optimizer
+
+_FUSED = [  # (torch_npu name, torch.optim class, hyper-parameters): the ones a recipe can target
+    ("NpuFusedSGD", torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3)),
+    ("NpuFusedSGD", torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+    ("NpuFusedSGD", torch.optim.SGD, dict(lr=0.05)),
+    ("NpuFusedAdam", torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1)),
+    ("NpuFusedAdam", torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
+    ("NpuFusedAdamW", torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    ("NpuFusedAdadelta", torch.optim.Adadelta, dict(lr=1.0, weight_decay=0.05)),
+    ("NpuFusedRMSprop", torch.optim.RMSprop, dict(lr=1e-2, momentum=0.5, centered=True)),
+]
+_FUSED_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for n, _, kw in _FUSED]
+
+
+def _train(model, opt, batches, zero):
+    for x, y in batches:
+        zero()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("name,ref_cls,hp", _FUSED, ids=_FUSED_IDS)
+def test_fused_optimizer_matches_torch(tnpu, name, ref_cls, hp):
+    model, ref_model = _tiny_model(), _tiny_model()
+    opt = getattr(tnpu.optim, name)(model.parameters(), **hp)
+    ref = ref_cls(ref_model.parameters(), foreach=False, **hp)
+    batches = _batches(6)
+    _train(model, opt, batches, opt.zero_grad)
+    _train(ref_model, ref, batches, ref.zero_grad)
+    for p, r in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,ref_cls,hp", _FUSED, ids=_FUSED_IDS)
+def test_fused_optimizer_pitfalls_behave_as_on_the_npu(tnpu, name, ref_cls, hp):
+    """semantics.md 6.2: bf16 raises; zero_grad(set_to_none=True) raises; model.zero_grad() after the
+    first step trains on stale gradients (the flat buffer keeps the first batch's); a reallocated
+    parameter is no longer updated."""
+    cls = getattr(tnpu.optim, name)
+    bf16 = _tiny_model(dtype=torch.bfloat16)
+    opt = cls(bf16.parameters(), **hp)
+    bf16(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
+    with pytest.raises(TypeError, match="must be either float32 or float16"):
+        opt.step()
+    with pytest.raises(ValueError, match="set_to_none=True"):
+        cls(_tiny_model().parameters(), **hp).zero_grad(set_to_none=True)
+
+    stale, fresh = _tiny_model(), _tiny_model()
+    opt_stale, opt_fresh = cls(stale.parameters(), **hp), cls(fresh.parameters(), **hp)
+    (x1, y1), (x2, y2) = _batches(2)
+    for model, opt in ((stale, opt_stale), (fresh, opt_fresh)):
+        F.mse_loss(model(x1), y1).backward()
+        opt.step()
+    stale.zero_grad()  # set_to_none: the next backward allocates grads outside the flat buffer
+    opt_fresh.zero_grad()
+    for model, opt in ((stale, opt_stale), (fresh, opt_fresh)):
+        F.mse_loss(model(x2), y2).backward()
+        opt.step()
+    first_grad_again = _tiny_model()
+    opt_ref = cls(first_grad_again.parameters(), **hp)
+    F.mse_loss(first_grad_again(x1), y1).backward()
+    opt_ref.step()
+    opt_ref.step()  # the buffer still holds the first batch's gradient
+    for a, b in zip(stale.parameters(), first_grad_again.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert any(not torch.allclose(a, b) for a, b in zip(stale.parameters(), fresh.parameters()))
+
+    model = _tiny_model()
+    opt = cls(model.parameters(), **hp)
+    F.mse_loss(model(x1), y1).backward()
+    opt.step()
+    model[0].weight.data = model[0].weight.data.clone()  # reallocated after combination
+    before = model[0].weight.detach().clone()
+    opt.zero_grad()
+    F.mse_loss(model(x2), y2).backward()
+    opt.step()
+    torch.testing.assert_close(model[0].weight.detach(), before)  # silently not trained any more
