@@ -8,7 +8,9 @@ rewritten program must parse, import and train: a child process builds it throug
 `trainbridge_entry`, records the first-step gradients of `loss_fn` and the losses of a few
 `train_step` calls, and the parent compares them with the unmodified program's (same seed, same
 batches) within the recipe's numerics class. torch_npu recipes run in a child with the NPU
-emulation first on PYTHONPATH and device "npu"; their baseline is the original program on CPU.
+emulation first on PYTHONPATH and device "npu"; their baseline is the original program on that same
+emulated device (as the gate compares head and candidate on the target: the emulated device's own
+op decompositions differ from the CPU's by ~1e-9, which an 'exact' recipe must not be blamed for).
 
 All cases of one program and backend run in one child (one torch import); the children of the
 bundled examples take a while and are marked slow.
@@ -288,10 +290,9 @@ CASES: list[Case] = [
     Case("cross-entropy-npu-fused", "variant_lm", "npu", "cross_entropy", expect="fails",
          expect_error=r"reduction='mean' requires weight=None, ignore_index=-100 and label_smoothing=0",
          mutate=("$t.reshape(-1).long())", "$t.reshape(-1).long(), label_smoothing=0.1)")),  # fused backward's limit
-    Case("cross-entropy-npu-fused", "variant_lm", "npu", "cross_entropy", expect="diverges",
-         mutate=("[0].squeeze(0)", "[1].mean()")),  # output #0 is the loss, #1 the log-probabilities
-    Case("adam-npu-fused", "variant_lm", "npu", "optimizer_step", expect="diverges",
-         mutate=("NpuFusedAdam(", "NpuFusedAdamW(")),  # Adam's L2 decay is not AdamW's decoupled decay
+    Case("cross-entropy-npu-fused", "variant_lm", "npu", "cross_entropy", expect="fails",
+         expect_error=r"does not require grad",
+         mutate=(".long())[0], 0)", ".long())[1].mean(), 0)")),  # output #0 is the loss, #1 log_prob (no grad)
 ]
 
 
@@ -385,11 +386,11 @@ class Lab:
     def _program(self, name: str, folder: Path, steps: int) -> dict:
         return {"name": name, "dir": str(folder), "seed": 0, "steps": steps, "grads": str(self.root / f"{name}.grads.pt")}
 
-    def baseline(self, program: str, steps: int) -> dict:
-        key = f"{program}-base-{steps}"
+    def baseline(self, program: str, steps: int, backend: str = "cpu") -> dict:
+        key = f"{program}-base-{steps}" + ("" if backend == "cpu" else f"-{backend}")
         if key not in self.baselines:
             folder = self._copy(program, key)
-            result = self._run([self._program(key, folder, steps)], npu=False)[key]
+            result = self._run([self._program(key, folder, steps)], npu=backend == "npu")[key]
             assert result["ok"], f"the unmodified {program} does not run: {result.get('traceback')}"
             result["grads_path"] = str(self.root / f"{key}.grads.pt")
             self.baselines[key] = result
@@ -528,7 +529,7 @@ def test_recipe_on_real_code(case, lab):
         assert re.search(case.expect_error, result["error"]), result["traceback"]
         return
     assert result is not None and result["ok"], f"{case.id} does not run:\n{result and result.get('traceback')}"
-    base = lab.baseline(case.program, case.steps)
+    base = lab.baseline(case.program, case.steps, case.backend)
     assert result["param_names"] == base["param_names"], "the rewrite changed the model's parameters"
     if case.expect == "diverges":
         with pytest.raises(AssertionError) as rejected:
