@@ -198,6 +198,24 @@ _PORTED_SCRIPT = textwrap.dedent(r"""
     state = torch.npu.get_rng_state()
     r["state_bytes"] = state.numel()
     torch.npu.set_rng_state(state)
+
+    # ordinary random ops on device tensors use the device stream too (as on an NPU), and
+    # activation checkpointing replays them from torch.npu.get_rng_state()
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+    x = torch.randn(4, 8).npu()
+    torch.npu.manual_seed(3)
+    host_state = torch.get_rng_state()
+    d1 = F.dropout(x, 0.5)
+    r["dropout_host_untouched"] = torch.equal(host_state, torch.get_rng_state())
+    torch.npu.manual_seed(3)
+    r["dropout_replayed"] = torch.equal(d1.cpu(), F.dropout(x, 0.5).cpu())
+    lin = torch.nn.Linear(8, 8).npu()
+    f = lambda t: F.dropout(lin(t), 0.3, training=True).sum()
+    w = torch.randn(4, 8).npu().requires_grad_()
+    torch.npu.manual_seed(5); f(w).backward(); g_plain = w.grad.cpu().clone(); w.grad = None
+    torch.npu.manual_seed(5); checkpoint(f, w, use_reentrant=False).backward()
+    r["checkpoint_replays_dropout"] = torch.equal(g_plain, w.grad.cpu())
     r["versions"] = torch_npu.__version__
     print("RESULT " + json.dumps(r))
 """)
@@ -222,7 +240,8 @@ def test_a_ported_program_sees_npu_device_semantics(tmp_path):
     assert r["jit_compile_false"] is True
     # philox_engine_inputs(10) per call: the offset advances by 12 (rounded up to a multiple of 4)
     assert r["seed_offsets"] == [[7, 0], [7, 12], [7, 24]]
-    assert r["host_generator_untouched"] and r["replayed"] and r["state_bytes"] == 16
+    assert r["host_generator_untouched"] and r["replayed"] and r["state_bytes"] > 16
+    assert r["dropout_host_untouched"] and r["dropout_replayed"] and r["checkpoint_replays_dropout"]
     assert r["versions"].endswith("+trainbridge.backend")
 
 

@@ -15,6 +15,8 @@ device guard) and gives it kernels written in Python:
   than a 0-dim host scalar, and other than index tensors and cross-device copies) raises
   RuntimeError "Expected all tensors to be on the same device, but found at least two devices,
   npu:0 and cpu!";
+- random ops on device tensors (dropout, rand, normal_, ...) draw from the emulated NPU generator's
+  stream (torch.npu.manual_seed / get_rng_state), never from the host generator;
 - c10d collectives on device tensors run on their host values (gloo), so DDP(model,
   device_ids=[local_rank]) works on an emulated-npu module.
 Known deviation: every process's device tensors report npu:0, whatever torch.npu.set_device chose
@@ -116,7 +118,11 @@ class NpuTensor(torch.Tensor):
                 return torch.device("cpu")
             return a
 
-        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        host_args, host_kwargs = tree_map(unwrap, args), tree_map(unwrap, kwargs)
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            out = _on_device_stream(func, host_args, host_kwargs)
+        else:
+            out = func(*host_args, **host_kwargs)
 
         def wrap(o):
             if isinstance(o, torch.Tensor) and not isinstance(o, NpuTensor):
@@ -125,6 +131,20 @@ class NpuTensor(torch.Tensor):
             return o
 
         return tree_map(wrap, out)
+
+
+def _on_device_stream(func, args, kwargs):
+    """A random op on device tensors draws from the NPU generator's op stream, not the host's."""
+    from ._generator import default_generator
+
+    gen = default_generator(0)
+    host_state = torch.default_generator.get_state()
+    torch.default_generator.set_state(gen.ops_state)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        gen.ops_state = torch.default_generator.get_state()
+        torch.default_generator.set_state(host_state)
 
 
 def _rebuild(host: torch.Tensor, index: int, requires_grad: bool) -> NpuTensor:

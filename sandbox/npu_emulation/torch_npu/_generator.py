@@ -5,7 +5,10 @@ the default seed is c10::default_rng_seed_val (67280421310721); manual_seed sets
 resets the offset to 0; philox_engine_inputs(increment) returns (seed, offset) and then advances
 the offset by the increment rounded up to a multiple of 4 (so npu_fusion_attention, which asks for
 10, advances it by 12 per call). Fused ops that draw random bits take (seed, offset) from here and
-never touch the host generator. State tensors are 16 uint8 bytes: seed then offset, little-endian int64.
+never touch the host generator. Ordinary random ops on device tensors (dropout, rand, normal_, ...)
+draw from the device's own stream too (`ops_state`, a CPU generator state seeded with the same seed),
+so they never consume the host stream either (see _device_backend). State tensors: 16 uint8 bytes
+(seed, offset: little-endian int64) followed by the op stream's state.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class NpuGenerator:
         self.device_index = device_index
         self._seed = DEFAULT_SEED
         self._offset = 0
+        self.ops_state = _stream_state(DEFAULT_SEED)
 
     @property
     def device(self) -> torch.device:
@@ -31,6 +35,7 @@ class NpuGenerator:
     def manual_seed(self, seed: int) -> "NpuGenerator":
         self._seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
         self._offset = 0
+        self.ops_state = _stream_state(self._seed)
         return self
 
     def seed(self) -> int:
@@ -54,13 +59,20 @@ class NpuGenerator:
         return self._seed, offset
 
     def get_state(self) -> torch.Tensor:
-        return torch.tensor(list(struct.pack("<QQ", self._seed, self._offset)), dtype=torch.uint8)
+        head = torch.tensor(list(struct.pack("<QQ", self._seed, self._offset)), dtype=torch.uint8)
+        return torch.cat((head, self.ops_state))
 
     def set_state(self, state: torch.Tensor) -> "NpuGenerator":
-        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.numel() != 16:
-            raise RuntimeError("Expected a torch.ByteTensor of 16 bytes (seed, offset) as the NPU generator state")
-        self._seed, self._offset = struct.unpack("<QQ", bytes(state.cpu().tolist()))
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.numel() <= 16:
+            raise RuntimeError("Expected a torch.ByteTensor from torch.npu.get_rng_state() as the NPU generator state")
+        state = state.detach().cpu()
+        self._seed, self._offset = struct.unpack("<QQ", bytes(state[:16].tolist()))
+        self.ops_state = state[16:].clone()
         return self
+
+
+def _stream_state(seed: int) -> torch.Tensor:
+    return torch.Generator(device="cpu").manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF).get_state()
 
 
 _generators: dict[int, NpuGenerator] = {}

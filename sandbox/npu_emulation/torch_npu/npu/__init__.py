@@ -35,6 +35,9 @@ from ._state import _index, current_index, device_count, set_current
 from .._generator import all_generators, default_generator
 
 
+_initialized = True  # torch.utils.checkpoint saves device RNG states only for an initialised device module
+
+
 def is_available() -> bool:
     return True
 
