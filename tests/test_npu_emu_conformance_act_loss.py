@@ -84,6 +84,7 @@ def _sms_golden(x, mask, scale):
     return F.softmax((x.float() * scale).masked_fill(mask, value=-10000), dim=-1)
 
 
+@pytest.mark.slow  # upstream shapes: seconds each on a shared CPU
 @upstream("npu_scaled_masked_softmax", OP_BASE + "test_scaled_masked_softmax.py",
           "test_scaled_masked_softmax_shape_format (forward; upstream-skipped)")
 @pytest.mark.parametrize("dtype,x_shape,mask_shape", _SMS_CASES)
@@ -98,6 +99,7 @@ def test_scaled_masked_softmax(tnpu, dtype, x_shape, mask_shape):
     _rtol(_sms_golden(x, mask, scale).to(x.dtype).numpy(), out.cpu().numpy())
 
 
+@pytest.mark.slow  # upstream shapes: seconds each on a shared CPU
 @upstream("npu_scaled_masked_softmax (backward)", OP_BASE + "test_scaled_masked_softmax.py",
           "test_scaled_masked_softmax_shape_format (backward; upstream-skipped)")
 @pytest.mark.parametrize("dtype,x_shape,mask_shape", _SMS_CASES)
@@ -157,6 +159,7 @@ def _ce_tol(dtype):
         dtype, dict(prec=2 ** -10))
 
 
+@pytest.mark.slow  # upstream shapes: seconds each on a shared CPU
 @upstream("npu_cross_entropy_loss", OP + "test_npu_cross_entropy_loss.py",
           "test_npu_cross_entropy_loss (upstream-skipped)")
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -173,6 +176,7 @@ def test_cross_entropy_loss(tnpu, shape, dtype, reduction):
     _rtol(g_lp, log_prob.cpu(), **_ce_tol(dtype))
 
 
+@pytest.mark.slow  # upstream shapes: seconds each on a shared CPU
 @upstream("npu_cross_entropy_loss (backward)", OP + "test_npu_cross_entropy_loss.py",
           "test_npu_cross_entropy_loss_backward (upstream-skipped)")
 @pytest.mark.parametrize("reduction", ["mean", "none"])

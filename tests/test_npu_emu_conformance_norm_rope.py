@@ -37,6 +37,7 @@ def _rms_golden(x: np.ndarray, gamma: np.ndarray):
     return (x32 * rstd * g32).astype(x.dtype), rstd
 
 
+@pytest.mark.slow  # upstream shapes: seconds each on a shared CPU
 @upstream("npu_rms_norm", OP + "test_npu_rms_norm.py", "test_rms_norm")
 @pytest.mark.parametrize("x_dtype,gamma_dtype", [(np.float32, np.float32)])
 def test_rms_norm(tnpu, x_dtype, gamma_dtype):
@@ -48,6 +49,7 @@ def test_rms_norm(tnpu, x_dtype, gamma_dtype):
     _rtol(tnpu, grstd, _np(rstd))
 
 
+@pytest.mark.slow  # upstream shapes: seconds each on a shared CPU
 @upstream("npu_rms_norm", OP + "test_npu_rms_norm.py", "test_rms_norm_mix_dtype")
 def test_rms_norm_mix_dtype(tnpu):
     x = np.random.uniform(0, 100, [1024, 12288]).astype(np.float16)
@@ -76,6 +78,7 @@ def test_rms_norm_backward(tnpu):
 # --- npu_add_rms_norm ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # upstream shapes: seconds each on a shared CPU
 @upstream("npu_add_rms_norm", OP + "test_npu_add_rms_norm.py", "test_add_rms_norm_fp32 / test_add_rms_norm_fp16")
 @pytest.mark.parametrize("dtype,prec", [(np.float32, 1e-4), (np.float16, 1e-3)])
 def test_add_rms_norm(tnpu, dtype, prec):
@@ -128,6 +131,7 @@ _ROT_MODE_SHAPES = [
 ]
 
 
+@pytest.mark.slow  # upstream shapes: seconds each on a shared CPU
 @upstream("npu_rotary_mul", OP + "test_npu_rotary_mul.py", "test_rotary_mul")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("shapes", _ROT_SHAPES, ids=lambda s: "x".join(map(str, s[0])))
@@ -160,6 +164,7 @@ def _rotary_grads(fn, x, r1, r2):
     return [t.grad.detach().cpu() for t in leaves]
 
 
+@pytest.mark.slow  # upstream shapes: seconds each on a shared CPU
 @upstream("npu_rotary_mul_backward", OP + "test_npu_rotary_mul_backward.py",
           "test_rotary_mul_backward / test_rotary_mul_mode_backward")
 @pytest.mark.parametrize("mode,shapes,dtype", [("half", s, torch.float32) for s in _ROT_SHAPES]
@@ -180,6 +185,7 @@ def test_rotary_mul_backward(tnpu, mode, shapes, dtype):
 # --- npu_apply_rotary_pos_emb, npu_interleave_rope ----------------------------------------------
 
 
+@pytest.mark.slow  # upstream shapes: seconds each on a shared CPU
 @upstream("npu_apply_rotary_pos_emb", OP + "test_npu_apply_rotary_pos_emb.py", "test_npu_apply_rotary_pos_emb")
 def test_apply_rotary_pos_emb(tnpu):
     q = torch.from_numpy(np.random.uniform(0, 1, [4, 1024, 16, 128]).astype(np.float16))
