@@ -1,11 +1,13 @@
 """CPU stand-in for torch_npu, put on a child's import path by trainbridge when no real torch_npu is usable.
 
 It provides the fused APIs that TrainBridge recipes use, with CPU reference math and autograd that
-follow reference/npu/semantics.md, and maps the `npu` device onto the CPU (see _device_map). It is
+follow reference/npu/semantics.md and Ascend's own op tests, an `npu` device (a real device type
+through PyTorch's Python backend hook by default, or the npu -> cpu mapping: see _device_mode), the
+NPU generator (_generator), torch.npu, torch_npu.optim and a torch_npu.testing shim. It is
 standalone (imports only torch). Speed measured with it means nothing; numerics are what it checks.
 
-Setting TRAINBRIDGE_NPU_EMULATION_DEVICE_MAP=0 before import skips the device mapping and torch.npu
-registration (used by trainbridge's in-process tests of the op math).
+Setting TRAINBRIDGE_NPU_EMULATION_DEVICE_MAP=0 before import registers no device at all (used by
+trainbridge's in-process tests of the op math).
 """
 
 from __future__ import annotations
