@@ -19,8 +19,8 @@ DEFAULT = "backend"
 DEVICE_MODE: str | None = None
 
 _DESCRIPTIONS = {
-    "backend": "device npu via PyTorch's PrivateUse1 Python backend (transfers copy, mixed devices raise)",
-    "map": "device npu mapped onto the CPU (tensors report device cpu; .npu() aliases)",
+    "backend": "a real npu device type via PyTorch's PrivateUse1 Python backend (transfers copy, mixed devices raise)",
+    "map": "npu mapped onto the CPU (tensors report device cpu; .npu() aliases)",
 }
 
 
