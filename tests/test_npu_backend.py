@@ -212,7 +212,7 @@ def test_npu_run_without_torch_npu_gets_the_emulation(tmp_path, fresh_probe_cach
     seen = json.loads(out.read_text())
     assert seen["emulated"] and Path(seen["torch_npu_file"]).is_relative_to(emulation_path())
     assert seen["npu_imported_first"], "the harness imports torch_npu before the entry's module"
-    assert seen["device"] == "npu" and seen["tensor_device"] == "cpu"  # npu mapped onto the CPU by the stand-in
+    assert seen["device"] == "npu" and seen["tensor_device"] == "npu:0"  # the stand-in's real npu device type
     assert seen["task_queue"] == "2" and seen["affinity"] == "1"
     assert result.versions["torch_npu"].endswith("(emulated)") and result.versions["torch_npu_mode"] == "emulated"
     assert result.versions["torch_npu_compile"] == "emulated"

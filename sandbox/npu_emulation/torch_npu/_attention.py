@@ -14,8 +14,12 @@ import torch
 from . import _attention_plan as ap
 from ._attention_checks import build_plan
 from ._checks import check_int, check_tensor, compute_dtype, sum_to_shape
+from ._generator import default_generator
+from .npu._state import current_index
 
 OP = ap.OP
+# FlashAttentionKernelNpuOpApi.cpp dropout_gen_mask: philox_engine_inputs(10) (offset advances by 12)
+_PHILOX_INCREMENT = 10
 
 
 # --- math on one segment, BNSD ----------------------------------------------------------------
@@ -45,10 +49,16 @@ def _probs(s, keep, m, l, sink_v):
     return p, p_sink
 
 
+def _on(t, like):
+    """A plan tensor (keep-set or dropout bits, built on the host) on the device of `like`."""
+    return t if t is None or t.device == like.device else t.to(like.device)
+
+
 def _segment_forward(q, k, v, seg, pse, sink_v, scale, keep_prob, group):
     s = _scores(q, k, pse, scale, group)
-    if seg.keep is not None:
-        s = s.masked_fill(~seg.keep, float("-inf"))
+    keep, drop = _on(seg.keep, q), _on(seg.drop, q)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     if sink_v is not None:
         m = torch.maximum(m, sink_v.expand_as(m))
@@ -56,21 +66,22 @@ def _segment_forward(q, k, v, seg, pse, sink_v, scale, keep_prob, group):
     l = torch.exp(s - m_safe).sum(dim=-1, keepdim=True)
     if sink_v is not None:
         l = l + torch.exp(sink_v - m_safe)
-    p, _ = _probs(s, seg.keep, m, l, sink_v)
-    if seg.drop is not None:
-        p = p * seg.drop / keep_prob
+    p, _ = _probs(s, keep, m, l, sink_v)
+    if drop is not None:
+        p = p * drop / keep_prob
     return p @ _repeat_kv(v, group), m, l
 
 
 def _segment_backward(q, k, v, do, seg, pse, sink_v, m, l, scale, keep_prob, group):
     s = _scores(q, k, pse, scale, group)
-    p, p_sink = _probs(s, seg.keep, m, l, sink_v)
+    keep, drop = _on(seg.keep, q), _on(seg.drop, q)
+    p, p_sink = _probs(s, keep, m, l, sink_v)
     v_rep = _repeat_kv(v, group)
-    pd = p * seg.drop / keep_prob if seg.drop is not None else p
+    pd = p * drop / keep_prob if drop is not None else p
     dv = pd.transpose(-1, -2) @ do
     dp = do @ v_rep.transpose(-1, -2)
-    if seg.drop is not None:
-        dp = dp * seg.drop / keep_prob
+    if drop is not None:
+        dp = dp * drop / keep_prob
     row = (dp * p).sum(dim=-1, keepdim=True)
     ds = p * (dp - row)
     dq = scale * (ds @ _repeat_kv(k, group))
@@ -207,8 +218,8 @@ def _attach_dropout(plan, batch, dropout_mask, seed, offset, draw):
         check_tensor(OP, "dropout_mask", dropout_mask)
         bits = ap.unpack_keep_bits(dropout_mask, plan.numels)
     else:
-        if draw:  # like the NPU code: seed/offset come from the default generator, user values overwritten
-            seed, offset = int(torch.randint(0, 2**31 - 1, (), device="cpu")), 0
+        if draw:  # like the NPU code: seed/offset come from the NPU generator, user values overwritten
+            seed, offset = default_generator(current_index()).philox_engine_inputs(_PHILOX_INCREMENT)
         bits = ap.generate_keep_bits(plan.numels, plan.keep_prob, seed, offset)
     ap.split_keep_bits(bits, plan, batch)
     return seed, offset
@@ -227,7 +238,8 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     Pitfalls kept from torch_npu: scale defaults to 1.0; atten_mask True = masked (excluded); without
     atten_mask, sparse_mode and pre/next_tockens are ignored (dense attention); causal top-left is
     sparse_mode=2, bottom-right sparse_mode=3, both with the 2048x2048 triu(diagonal=1) template.
-    Dropout bits come from the emulation's own RNG (NPU Philox bits are not reproducible on CPU).
+    Dropout: seed/offset from the emulated NPU generator (torch.npu.manual_seed), offset +12 per
+    call, never the host generator; the bits are the emulation's own (Philox on DSA is not reproducible).
     """
     plan, batch = build_plan(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
                              keep_prob, pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen,
@@ -235,7 +247,7 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     seed_out, offset_out = _attach_dropout(plan, batch, dropout_mask, check_int(OP, "seed", seed),
                                            check_int(OP, "offset", offset), draw=True)
     out, smax, ssum = _FusionAttention.apply(query, key, value, pse, sink, plan)
-    softmax_out = torch.empty(0, dtype=query.dtype, device="cpu")
+    softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
     return out, smax, ssum, softmax_out, seed_out, offset_out, plan.numels
 
 
@@ -255,14 +267,14 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
                              actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink)
     check_tensor(OP, "dy", dy)
     if dy.shape[:-1] != query.shape[:-1] or dy.dim() != query.dim():
-        raise ValueError(
+        raise RuntimeError(
             f"npu_fusion_attention_grad: dy shape {tuple(dy.shape)} does not match the attention output of "
             f"query {tuple(query.shape)}"
         )
     _attach_dropout(plan, batch, None, check_int(OP, "seed", seed), check_int(OP, "offset", offset), draw=False)
     cd = compute_dtype(query.dtype)
     if (softmax_max is None) != (softmax_sum is None):
-        raise ValueError("npu_fusion_attention_grad: pass both softmax_max and softmax_sum, or neither")
+        raise RuntimeError("npu_fusion_attention_grad: pass both softmax_max and softmax_sum, or neither")
     with torch.no_grad():
         if softmax_max is None:
             _, smax, ssum = _FusionAttention.apply(query.detach(), key.detach(), value.detach(),
@@ -272,5 +284,5 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
             smax, ssum = softmax_max, softmax_sum
         maxes, sums = _unpack_stats(smax, plan, cd), _unpack_stats(ssum, plan, cd)
         dq, dk, dv, dpse, dsink = _run_backward(query, key, value, dy, pse, sink, maxes, sums, plan)
-    empty = torch.empty(0, dtype=query.dtype, device="cpu")
+    empty = torch.empty(0, dtype=query.dtype, device=query.device)
     return dq, dk, dv, dpse if dpse is not None else empty, dsink if dsink is not None else empty

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._dropout_mask import drop_prob_from_keep, keep_bits
+
 
 OP = "npu_fusion_attention"
 TEMPLATE_SIDE = 2048
@@ -115,7 +117,7 @@ def as_bool_mask(atten_mask: torch.Tensor) -> torch.Tensor:
             f"{OP}: atten_mask must be bool or uint8 with True/1 = masked (excluded), got {atten_mask.dtype}; "
             "convert an additive float mask with `mask < 0` (or `~keep` for an SDPA-style keep mask)"
         )
-    return atten_mask.bool()
+    return atten_mask.bool().cpu()  # the keep-set is planned on the host; moved to the inputs' device at use
 
 
 def prefix_template() -> torch.Tensor:
@@ -178,38 +180,32 @@ def warn_fully_masked(keep: torch.Tensor | None, shape: tuple[int, int, int, int
 def cumulative_to_rows(name: str, offsets, total: int) -> list[tuple[int, int]]:
     """Cumulative end offsets (no leading 0; trailing zeros exclude sequences) -> [(start, end)]."""
     if offsets is None:
-        raise ValueError(f"{OP}: input_layout TND needs {name} (cumulative end offsets, e.g. cu_seqlens[1:])")
+        raise RuntimeError(f"{OP}: input_layout TND needs {name} (cumulative end offsets, e.g. cu_seqlens[1:])")
     if isinstance(offsets, torch.Tensor):
         offsets = offsets.tolist()
     offsets = [int(v) for v in offsets]
     if not offsets:
-        raise ValueError(f"{OP}: {name} must not be empty")
+        raise RuntimeError(f"{OP}: {name} must not be empty")
     n = len(offsets)
     while n > 1 and offsets[n - 1] == 0:
         n -= 1
     rows, start = [], 0
     for k, end in enumerate(offsets[:n]):
         if end < start:
-            raise ValueError(f"{OP}: {name} must be cumulative (non-decreasing) end offsets, got {offsets} (entry {k})")
+            raise RuntimeError(f"{OP}: {name} must be cumulative (non-decreasing) end offsets, got {offsets} (entry {k})")
         rows.append((start, end))
         start = end
     if start != total:
-        raise ValueError(f"{OP}: the last entry of {name} ({start}) must equal T ({total}), got {offsets}")
+        raise RuntimeError(f"{OP}: the last entry of {name} ({start}) must equal T ({total}), got {offsets}")
     return rows + [(start, start)] * (len(offsets) - n)
 
 
 # --- dropout --------------------------------------------------------------------------------
 
 
-def _mixed_seed(seed: int, offset: int) -> int:
-    return (int(seed) * 1_000_003 + int(offset)) % (2**63 - 1)
-
-
 def generate_keep_bits(numels: int, keep_prob: float, seed: int, offset: int) -> torch.Tensor:
-    """Emulation's dropout RNG (NPU Philox bits cannot be reproduced on CPU): 1 = keep."""
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(_mixed_seed(seed, offset))
-    return torch.rand(numels, generator=gen, device="cpu") < keep_prob
+    """The bits the NPU's DropoutGenMask makes for (1 - keep_prob, seed, offset): 1 = keep (see _dropout_mask)."""
+    return keep_bits(numels, drop_prob_from_keep(keep_prob), seed, offset)
 
 
 def unpack_keep_bits(dropout_mask: torch.Tensor, numels: int) -> torch.Tensor:
@@ -218,7 +214,7 @@ def unpack_keep_bits(dropout_mask: torch.Tensor, numels: int) -> torch.Tensor:
         raise TypeError(f"{OP}: dropout_mask must be a packed uint8 tensor, got {dropout_mask.dtype}")
     flat = dropout_mask.reshape(-1)
     if flat.numel() * 8 < numels:
-        raise ValueError(f"{OP}: dropout_mask holds {flat.numel() * 8} bits, needs {numels}")
+        raise RuntimeError(f"{OP}: dropout_mask holds {flat.numel() * 8} bits, needs {numels}")
     bits = (flat.to(torch.int32).unsqueeze(-1) >> torch.arange(8, dtype=torch.int32)) & 1
     return bits.reshape(-1)[:numels].bool()
 

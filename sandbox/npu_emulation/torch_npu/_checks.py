@@ -55,3 +55,15 @@ def sum_to_shape(t: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.
     """Sum `t` over the axes where `shape` broadcasts (size 1), keeping dims; same rank assumed."""
     axes = tuple(i for i, (n, m) in enumerate(zip(shape, t.shape)) if n == 1 and m != 1)
     return t.sum(dim=axes, keepdim=True) if axes else t
+
+
+def same_device_message(a: torch.device, b: torch.device) -> str:
+    """PyTorch's (and torch_npu's) text for tensors on two devices."""
+    first, second = (a, b) if a.type != "cpu" else (b, a)
+    return f"Expected all tensors to be on the same device, but found at least two devices, {first} and {second}!"
+
+
+def check_same_device(op: str, reference: torch.Tensor, *others) -> None:
+    for t in others:
+        if isinstance(t, torch.Tensor) and t.device != reference.device:
+            raise RuntimeError(same_device_message(reference.device, t.device) + f" (in {op})")

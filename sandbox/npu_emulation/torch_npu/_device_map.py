@@ -64,7 +64,7 @@ def _module_npu(self, device=None):
     return self._apply(lambda t: _tensor_npu(t, device))
 
 
-def _patch_pin_memory() -> None:
+def patch_pin_memory() -> None:
     original_pin, original_is_pinned = torch.Tensor.pin_memory, torch.Tensor.is_pinned
 
     def pin_memory(self, device=None):
@@ -108,7 +108,7 @@ def install(npu_module) -> None:
     backend_registration._setup_privateuseone_for_python_backend(rename="npu", backend_module=npu_module)
     torch.Tensor.npu = _tensor_npu
     torch.nn.Module.npu = _module_npu
-    _patch_pin_memory()
+    patch_pin_memory()
     _patch_autocast()
     NpuToCpuMode().__enter__()  # stays on the mode stack for the life of the process
     _installed = True

@@ -1,4 +1,4 @@
-"""RMSNorm family: npu_rms_norm (with backward), npu_rms_norm_backward, npu_add_rms_norm (forward only).
+"""RMSNorm family: npu_rms_norm (with backward), npu_rms_norm_backward, npu_add_rms_norm (no backward).
 
 Semantics (reference/npu/semantics.md section 3): rstd = 1/sqrt(mean(x^2) + eps) over the trailing
 `gamma.dim()` axes, y = x * rstd * gamma computed in fp32 and rounded once to x's dtype; rstd is fp32
@@ -7,10 +7,9 @@ with keepdim ones; dgamma is produced in fp32.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
+from ._no_backward import no_backward
 from ._checks import check_float, check_not_empty, check_rank, check_tensor, compute_dtype
 
 _RMS_DTYPE_PAIRS = {
@@ -102,17 +101,8 @@ def npu_rms_norm(self, gamma, epsilon=1e-06):
     return _RmsNorm.apply(self, gamma, float(epsilon))
 
 
-_NO_AUTOGRAD_WARNING = (
-    "npu::npu_add_rms_norm: an autograd kernel was not registered to the Autograd key(s) but we are "
-    "trying to backprop through it. This may lead to silently incorrect behavior. (trainbridge "
-    "emulation: torch_npu registers no backward for npu_add_rms_norm, so x1, x2 and gamma receive no "
-    "gradient through it; for training wrap it in an autograd.Function whose backward calls "
-    "npu_rms_norm_backward and adds the gradient of the x output.)"
-)
-
-
 class _AddRmsNormNoBackward(torch.autograd.Function):
-    """Mirrors PyTorch's autograd fallback ("warn" mode) for an op with no autograd kernel."""
+    """torch_npu registers no derivative: backward raises or warns by release (see _no_backward)."""
 
     @staticmethod
     def forward(ctx, x1, x2, gamma, epsilon):
@@ -123,16 +113,16 @@ class _AddRmsNormNoBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        warnings.warn(_NO_AUTOGRAD_WARNING, UserWarning, stacklevel=2)
-        return None, None, None, None
+        return (*no_backward("npu_add_rms_norm", 3), None)
 
 
 def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-06):
     """(y, rstd, x1 + x2) with y = rms_norm(x1 + x2) * gamma.
 
-    Forward-only, as in torch_npu: the real op has no registered backward, so gradients do not flow
-    to x1, x2 or gamma through it (backward warns, the inputs get no gradient from this op). The
-    values are computed exactly; use npu_rms_norm_backward in a custom autograd.Function to train.
+    Forward-only, as in torch_npu: the real op has no registered backward; backward through it raises
+    "derivative for npu::npu_add_rms_norm is not implemented" from release 26.1.0, and warns (no
+    gradient to x1, x2, gamma) before (TRAINBRIDGE_EMULATED_TORCH_NPU_RELEASE). To train, use
+    npu_rms_norm_backward in a custom autograd.Function.
     """
     op = "npu_add_rms_norm"
     for name, t in (("x1", x1), ("x2", x2), ("gamma", gamma)):

@@ -33,7 +33,8 @@ def _check(op: str, x, r1, r2, rotary_mode) -> None:
         check_tensor(op, name, t)
         check_float(op, name, t)
     if rotary_mode not in _MODES:
-        raise ValueError(f"The rotary_mode of {op} should be half or interleave, got {rotary_mode!r}")
+        # TORCH_CHECK in op-plugin's get_rotary_mode: RuntimeError, this text
+        raise RuntimeError(f"The rotary_mode of {op} should be half or interleave, but got {rotary_mode}")
     if x.dim() not in (3, 4):
         raise ValueError(
             f"{op}: self must be 4-D (BNSD, BSND, SBND) or 3-D (TND), got {x.dim()}-D shape {tuple(x.shape)}"

@@ -3,7 +3,7 @@
 Device queries answer for one emulated device (TRAINBRIDGE_EMULATED_NPU_COUNT overrides the count,
 read at call time, for multi-process runs); synchronisation is a no-op (CPU ops are synchronous);
 memory statistics are the process's resident memory (psutil / /proc), since tensors live in host
-memory; seeds and RNG state are the CPU generator's.
+memory; seeds and RNG state are the emulated NPU generator's (torch_npu._generator).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import amp
+from . import amp, config
 
 __all__ = [
     "is_available", "is_initialized", "init", "device_count", "current_device", "set_device", "synchronize",
@@ -27,10 +27,15 @@ __all__ = [
     "reset_accumulated_memory_stats", "empty_cache", "manual_seed", "manual_seed_all", "seed", "seed_all",
     "initial_seed", "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all",
     "is_bf16_supported", "get_amp_supported_dtype", "device", "device_of", "Stream", "Event", "stream",
-    "current_stream", "default_stream", "set_stream", "amp",
+    "current_stream", "default_stream", "set_stream", "amp", "config", "set_compile_mode", "is_jit_compile_false",
+    "get_npu_overflow_flag", "clear_npu_overflow_flag",
 ]
 
-_current = 0
+from ._state import _index, current_index, device_count, set_current
+from .._generator import all_generators, default_generator
+
+
+_initialized = True  # torch.utils.checkpoint saves device RNG states only for an initialised device module
 
 
 def is_available() -> bool:
@@ -49,45 +54,12 @@ def _is_in_bad_fork() -> bool:
     return False
 
 
-def device_count() -> int:
-    raw = os.environ.get("TRAINBRIDGE_EMULATED_NPU_COUNT", "1")
-    try:
-        count = int(raw)
-    except ValueError:
-        raise ValueError(f"TRAINBRIDGE_EMULATED_NPU_COUNT must be a positive int, got {raw!r}") from None
-    if count < 1:
-        raise ValueError(f"TRAINBRIDGE_EMULATED_NPU_COUNT must be a positive int, got {raw!r}")
-    return count
-
-
-def _index(device: Any = None) -> int:
-    if device is None:
-        return _current
-    if isinstance(device, str):
-        kind, _, num = device.partition(":")
-        if kind != "npu" or (num and not num.isdigit()):
-            raise ValueError(f"expected an npu device such as 'npu' or 'npu:0', got {device!r}")
-        index = int(num) if num else _current
-    elif isinstance(device, torch.device):
-        if device.type != "npu":
-            raise ValueError(f"expected an npu device, got {device}")
-        index = _current if device.index is None else device.index
-    elif isinstance(device, int) and not isinstance(device, bool):
-        index = device
-    else:
-        raise TypeError(f"expected an npu device (int, 'npu:N' or torch.device), got {device!r}")
-    if not 0 <= index < device_count():
-        raise RuntimeError(f"Invalid device ordinal {index}: the emulated NPU has {device_count()} device(s)")
-    return index
-
-
 def current_device() -> int:
-    return _current
+    return current_index()
 
 
 def set_device(device: Any) -> None:
-    global _current
-    _current = _index(device)
+    set_current(_index(device))
 
 
 def synchronize(device: Any = None) -> None:
@@ -210,43 +182,57 @@ def empty_cache() -> None:
     return None
 
 
-# --- RNG: the CPU generator --------------------------------------------------------------------
+# --- RNG: the emulated NPU generator (see torch_npu._generator) ------------------------------
+# Fused ops that draw random bits (npu_fusion_attention dropout, _npu_dropout_gen_mask) take
+# (seed, offset) from it. Ordinary random ops on the emulated device run on the CPU and draw from
+# the host generator, so manual_seed also seeds the host generator (the emulated device's own
+# stream for those ops); it never advances either.
+
+
+def _gen(device: Any = None):
+    return default_generator(_index(device))
 
 
 def manual_seed(seed: int) -> None:
-    # the CPU generator itself: torch.manual_seed calls torch.npu.manual_seed_all, so no call back into it
+    _gen().manual_seed(int(seed))
+    torch.default_generator.manual_seed(int(seed))  # not torch.manual_seed: that calls back into us
+
+
+def manual_seed_all(seed: int) -> None:
+    for gen in all_generators(device_count()):
+        gen.manual_seed(int(seed))
     torch.default_generator.manual_seed(int(seed))
 
 
-manual_seed_all = manual_seed
-
-
 def seed() -> None:
-    torch.default_generator.seed()
+    _gen().seed()
 
 
-seed_all = seed
+def seed_all() -> None:
+    s = _gen().seed()
+    for gen in all_generators(device_count()):
+        gen.manual_seed(s)
 
 
 def initial_seed() -> int:
-    return torch.initial_seed()
+    return _gen().initial_seed()
 
 
 def get_rng_state(device: Any = "npu") -> torch.Tensor:
-    return torch.get_rng_state()
+    return _gen(device).get_state()
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = "npu") -> None:
-    torch.set_rng_state(new_state)
+    _gen(device).set_state(new_state)
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
-    return [torch.get_rng_state() for _ in range(device_count())]
+    return [g.get_state() for g in all_generators(device_count())]
 
 
 def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
-    if new_states:
-        torch.set_rng_state(new_states[0])
+    for gen, state in zip(all_generators(device_count()), new_states):
+        gen.set_state(state)
 
 
 # --- device context, streams, events -----------------------------------------------------------
@@ -260,15 +246,13 @@ class device:
         self.prev = None
 
     def __enter__(self):
-        global _current
-        self.prev = _current
+        self.prev = current_index()
         if self.idx is not None:
-            _current = self.idx
+            set_current(self.idx)
         return self
 
     def __exit__(self, *exc):
-        global _current
-        _current = self.prev
+        set_current(self.prev)
         return False
 
 
@@ -354,3 +338,28 @@ class Event:
         if self._t is None or end_event._t is None:
             raise RuntimeError("both events must be recorded before elapsed_time()")
         return (end_event._t - self._t) * 1000.0
+
+
+# --- compile mode, overflow flag --------------------------------------------------------------
+
+_jit_compile = False  # torch_npu's default for A2/A3 binaries (binary kernels, no online compile)
+
+
+def set_compile_mode(jit_compile: bool = True) -> None:
+    """Recorded only: the emulation runs every op eagerly on the CPU either way."""
+    global _jit_compile
+    if not isinstance(jit_compile, bool):
+        raise TypeError(f"set_compile_mode: jit_compile must be a bool, got {type(jit_compile).__name__}")
+    _jit_compile = jit_compile
+
+
+def is_jit_compile_false() -> bool:
+    return not _jit_compile
+
+
+def get_npu_overflow_flag() -> bool:
+    return False
+
+
+def clear_npu_overflow_flag() -> None:
+    return None

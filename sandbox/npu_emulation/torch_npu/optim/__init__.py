@@ -1,5 +1,20 @@
-"""torch_npu.optim stand-in: the fused AdamW (other NpuFused* optimizers are not emulated)."""
+"""torch_npu.optim stand-in: the fused optimizers over combined flat buffers (see npu_fused_optim_base).
 
-from .npu_fused_adamw import NpuFusedAdamW, NpuFusedOptimizerBase
+Emulated: NpuFusedSGD, NpuFusedAdam, NpuFusedAdamW, NpuFusedAdadelta, NpuFusedRMSprop (the ones with
+a torch.optim counterpart, so the ones a rewrite can target). NpuFusedLamb, NpuFusedAdamP,
+NpuFusedBertAdam and NpuFusedRMSpropTF (third-party algorithms) exist so that programs and Ascend's
+tests import, and raise NotImplementedError when constructed.
+"""
 
-__all__ = ["NpuFusedAdamW", "NpuFusedOptimizerBase"]
+from .npu_fused_adadelta import NpuFusedAdadelta
+from .npu_fused_adam import NpuFusedAdam
+from .npu_fused_adamw import NpuFusedAdamW
+from .npu_fused_optim_base import NpuFusedOptimizerBase
+from .npu_fused_rmsprop import NpuFusedRMSprop
+from .npu_fused_sgd import NpuFusedSGD
+from .npu_fused_unemulated import NpuFusedAdamP, NpuFusedBertAdam, NpuFusedLamb, NpuFusedRMSpropTF
+
+__all__ = [
+    "NpuFusedOptimizerBase", "NpuFusedSGD", "NpuFusedAdadelta", "NpuFusedLamb", "NpuFusedAdam", "NpuFusedAdamW",
+    "NpuFusedAdamP", "NpuFusedBertAdam", "NpuFusedRMSprop", "NpuFusedRMSpropTF",
+]

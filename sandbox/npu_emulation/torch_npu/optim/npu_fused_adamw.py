@@ -1,146 +1,16 @@
-"""NpuFusedAdamW on the CPU (reference/npu/semantics.md 6.1-6.3).
-
-Same math as torch.optim.AdamW (single-tensor algorithm). The combined-tensor mechanism is
-reproduced: at the first trigger (step(), zero_grad() once grads exist, clip_grad_norm_fused_())
-every parameter that has a grad is grouped by dtype, copied into one flat buffer and re-pointed into
-it (p.data and p.grad become views); moments live in flat buffers too. So the torch_npu hazards
-behave as on the NPU: bf16 parameters raise TypeError; zero_grad(set_to_none=True) raises
-ValueError; model.zero_grad() (grads set to None) after the first step trains on stale gradients;
-re-allocating parameters or load_state_dict() after the first step is silently ignored; a
-parameter that first gets a grad after combination fails with KeyError: 'step'.
-"""
+"""NpuFusedAdamW (reference/npu/semantics.md 6.1): torch.optim.AdamW's single-tensor math on combined buffers."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-from torch.optim.optimizer import Optimizer
 
-_FUSED_DTYPES = (torch.float32, torch.float16)
-
-
-class _Flat:
-    """One (param group, dtype) bucket: flat buffers, the member params and their offsets."""
-
-    def __init__(self, params: list[torch.Tensor]):
-        self.params = params
-        self.sizes = [p.numel() for p in params]
-        dtype = params[0].dtype
-        total = sum(self.sizes)
-        self.param = torch.zeros(total, dtype=dtype, device="cpu")
-        self.grad = torch.zeros(total, dtype=dtype, device="cpu")
-        self.states: dict[str, torch.Tensor] = {}
-        self.step = 0
-        for p, view in zip(params, self.views(self.param)):
-            view.copy_(p.detach())
-            p.data = view
-        for p, view in zip(params, self.views(self.grad)):
-            view.copy_(p.grad.detach())
-            p.grad = view
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        out, pos = [], 0
-        for p, n in zip(self.params, self.sizes):
-            out.append(flat[pos:pos + n].view_as(p))
-            pos += n
-        return out
-
-
-class NpuFusedOptimizerBase(Optimizer):
-    _state_names: tuple[str, ...] = ()
-
-    def __init__(self, params, default):
-        super().__init__(params, default)
-        self._flats: list[list[_Flat]] | None = None  # per param group
-        self._combined_ids: set[int] = set()
-
-    # --- combination ----------------------------------------------------------------------
-    def _combine_params_and_grads(self) -> None:
-        if self._flats is not None:
-            return
-        flats: list[list[_Flat]] = []
-        for group in self.param_groups:
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.dtype not in _FUSED_DTYPES:
-                    raise TypeError("Fused optimizer's parameters must be either float32 or float16")
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                if not p.is_contiguous():
-                    raise RuntimeError("Tensors to combine must be contiguous.")
-                by_dtype.setdefault(p.dtype, []).append(p)
-            flats.append([_Flat(ps) for ps in by_dtype.values()])
-        self._flats = flats
-        self._combined_ids = {id(p) for group in flats for f in group for p in f.params}
-
-    def _combine_states(self, flat: _Flat) -> None:
-        if flat.states:
-            return
-        first = self.state.get(flat.params[0], {})
-        flat.step = int(first.get("step", 0))
-        for name in self._state_names:
-            buf = torch.zeros_like(flat.param)
-            for p, view in zip(flat.params, flat.views(buf)):
-                old = self.state.get(p, {}).get(name)
-                if old is not None:  # state loaded before the first step is kept
-                    view.copy_(old)
-            flat.states[name] = buf
-        for p, *views in zip(flat.params, *(flat.views(flat.states[n]) for n in self._state_names)):
-            state = self.state[p]
-            state["step"] = flat.step
-            for n, v in zip(self._state_names, views):
-                state[n] = v
-
-    def _check_new_grads(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and id(p) not in self._combined_ids:
-                    raise KeyError(
-                        "step (a parameter got its first gradient after the fused optimizer combined its buffers; "
-                        "torch_npu fails here too: give every trainable parameter a grad before the first step)"
-                    )
-
-    # --- public API -----------------------------------------------------------------------
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        if set_to_none:
-            raise ValueError(
-                f"{type(self).__name__} does not support zero_grad(set_to_none=True): its gradients live in a "
-                "combined buffer; call optimizer.zero_grad() (and never model.zero_grad())"
-            )
-        if self._flats is None and any(p.grad is not None for g in self.param_groups for p in g["params"]):
-            self._combine_params_and_grads()
-        if self._flats is None:
-            return
-        for group in self._flats:
-            for flat in group:
-                flat.grad.zero_()
-
-    @torch.no_grad()
-    def clip_grad_norm_fused_(self, max_norm, norm_type=2):
-        self._combine_params_and_grads()
-        grads = [flat.grad.float() for group in self._flats for flat in group]
-        norm_type = float(norm_type)
-        if not grads:
-            return torch.tensor(0.0)
-        if math.isinf(norm_type):
-            total = torch.stack([g.abs().max() for g in grads]).max()
-        else:
-            total = torch.stack([g.abs().pow(norm_type).sum() for g in grads]).sum().pow(1.0 / norm_type)
-        coef = float(max_norm) / (float(total) + 1e-6)
-        if coef < 1:
-            for group in self._flats:
-                for flat in group:
-                    flat.grad.mul_(coef)
-        return total
+from .npu_fused_optim_base import NpuFusedOptimizerBase, _Flat
 
 
 class NpuFusedAdamW(NpuFusedOptimizerBase):
     """torch_npu.optim.NpuFusedAdamW: AdamW with decoupled weight decay over combined flat buffers."""
-
-    _state_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False):
         if lr < 0.0:
@@ -155,36 +25,23 @@ class NpuFusedAdamW(NpuFusedOptimizerBase):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
         super().__init__(params, defaults)
-        if amsgrad:
-            self._state_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._combine_params_and_grads()
-        self._check_new_grads()
-        for group, flats in zip(self.param_groups, self._flats):
-            beta1, beta2 = group["betas"]
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            for flat in flats:
-                self._combine_states(flat)
-                flat.step += 1
-                for p in flat.params:
-                    self.state[p]["step"] = flat.step
-                param, grad = flat.param, flat.grad
-                exp_avg, exp_avg_sq = flat.states["exp_avg"], flat.states["exp_avg_sq"]
-                param.mul_(1 - lr * wd)
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                bias_correction1 = 1 - beta1**flat.step
-                bias_correction2_sqrt = math.sqrt(1 - beta2**flat.step)
-                second = exp_avg_sq
-                if group["amsgrad"]:
-                    torch.maximum(flat.states["max_exp_avg_sq"], exp_avg_sq, out=flat.states["max_exp_avg_sq"])
-                    second = flat.states["max_exp_avg_sq"]
-                denom = (second.sqrt() / bias_correction2_sqrt).add_(eps)
-                param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-        return loss
+    def _state_names_for(self, group) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+
+    def _flat_step(self, flat: _Flat, group) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        param, grad = flat.param, flat.grad
+        exp_avg, exp_avg_sq = flat.states["exp_avg"], flat.states["exp_avg_sq"]
+        param.mul_(1 - lr * wd)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction1 = 1 - beta1**flat.step
+        bias_correction2_sqrt = math.sqrt(1 - beta2**flat.step)
+        second = exp_avg_sq
+        if group["amsgrad"]:
+            torch.maximum(flat.states["max_exp_avg_sq"], exp_avg_sq, out=flat.states["max_exp_avg_sq"])
+            second = flat.states["max_exp_avg_sq"]
+        denom = (second.sqrt() / bias_correction2_sqrt).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)

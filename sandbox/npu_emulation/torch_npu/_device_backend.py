@@ -1,0 +1,227 @@
+"""A real `npu` device type for the emulation: PyTorch's Python backend hook plus a wrapper tensor.
+
+`install()` registers PrivateUse1 as "npu" through
+torch.utils.backend_registration._setup_privateuseone_for_python_backend (device module, hooks,
+device guard) and gives it kernels written in Python:
+- `NpuTensor`, a wrapper subclass (torch.Tensor._make_wrapper_subclass with device npu:N) that
+  holds its values in a private host tensor; its __torch_dispatch__ runs every ATen op on those
+  host tensors and wraps the results again, below autograd, so autograd, optimizers and modules
+  see ordinary tensors whose device.type is "npu";
+- PrivateUse1 kernels for what reaches the backend without a wrapper argument: empty.memory_format,
+  empty_strided (factories, `.to("npu")`, C++ allocations such as DDP's buckets) and _copy_from /
+  _copy_from_and_resize (host <-> device copies). So `x.npu()` and `x.to("npu")` COPY: mutating
+  the device tensor leaves the host tensor unchanged, as on an NPU;
+- the device check of a real backend: an op that mixes a device tensor with a host tensor (other
+  than a 0-dim host scalar, and other than index tensors and cross-device copies) raises
+  RuntimeError "Expected all tensors to be on the same device, but found at least two devices,
+  npu:0 and cpu!";
+- random ops on device tensors (dropout, rand, normal_, ...) draw from the emulated NPU generator's
+  stream (torch.npu.manual_seed / get_rng_state), never from the host generator;
+- c10d collectives on device tensors run on their host values (gloo), so DDP(model,
+  device_ids=[local_rank]) works on an emulated-npu module.
+Known deviation: every process's device tensors report npu:0, whatever torch.npu.set_device chose
+(one device per process is all the hook's autograd support allows; see _npu_device).
+Autocast for device_type "npu" is emulated with CPU autocast's op lists (see _device_autocast).
+Everything runs on the CPU: speed means nothing, numerics are what it checks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ._checks import same_device_message
+
+_installed = False
+_lib: torch.library.Library | None = None
+
+# ops that may legitimately take host tensors next to device tensors
+_aten = torch.ops.aten
+_MIXED_OK = {
+    _aten.copy_.default, _aten._to_copy.default, _aten._copy_from.default, _aten._copy_from_and_resize.default,
+    _aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default, _aten._index_put_impl_.default,
+    _aten.set_.source_Tensor, _aten.lift_fresh.default,
+}
+# stream bookkeeping: the emulated device has one synchronous stream
+_NO_OPS = {_aten.record_stream.default}
+
+
+def _npu_device(index: int | None = None) -> torch.device:
+    """Every device tensor of a process is on npu:0. PyTorch's Python backend hook gives the autograd
+    engine one ready queue for the backend (its device guard reports one device), so a tensor on
+    npu:1 fails in backward; torch.npu.set_device(local_rank) is still honoured by the torch.npu
+    queries (current_device, device_count from TRAINBRIDGE_EMULATED_NPU_COUNT)."""
+    return torch.device("npu", 0)
+
+
+class NpuTensor(torch.Tensor):
+    """A tensor on the emulated NPU: device npu:N, values in a private host tensor (`_host`)."""
+
+    _host: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, host: torch.Tensor, device: torch.device | None = None):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, host.size(), strides=host.stride(), storage_offset=host.storage_offset(), dtype=host.dtype,
+            layout=host.layout, device=device or _npu_device(), requires_grad=False,
+        )
+        t._host = host
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # a traceable wrapper subclass: Module.to() then swaps parameters in place (torch.utils.swap_tensors)
+    # instead of making new Parameter objects, so tied weights stay tied and optimizers keep their params
+    def __tensor_flatten__(self):
+        return ["_host"], (self.device,)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
+        return NpuTensor(inner_tensors["_host"], meta[0])
+
+    def __repr__(self, *, tensor_contents=None):
+        text = repr(self._host)
+        head, _, rest = text.partition("(")
+        rest = rest.rstrip(")")
+        return f"tensor({rest}, device='{self.device}')" if head == "tensor" else text
+
+    def __reduce_ex__(self, protocol):  # torch.save / deepcopy of a device tensor: rebuilt on the device
+        return (_rebuild, (self._host.detach().clone(), self.device.index or 0, self.requires_grad))
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to copy the "
+                        "tensor to host memory first.")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _NO_OPS:
+            return None
+        flat, _ = tree_flatten((args, kwargs))
+        device = next(a.device for a in flat if isinstance(a, NpuTensor))
+        if func not in _MIXED_OK:
+            for a in flat:
+                if isinstance(a, torch.Tensor) and not isinstance(a, NpuTensor) and a.dim() > 0 \
+                        and a.device.type != "meta":
+                    raise RuntimeError(same_device_message(device, a.device))
+        if func is _aten._to_copy.default:
+            target = kwargs.get("device")
+            if target is not None and torch.device(target).type != "npu":
+                return func(args[0]._host, **kwargs)
+        by_id = {}
+
+        def unwrap(a):
+            if isinstance(a, NpuTensor):
+                by_id[id(a._host)] = a
+                return a._host
+            if isinstance(a, torch.device) and a.type == "npu":
+                return torch.device("cpu")
+            return a
+
+        host_args, host_kwargs = tree_map(unwrap, args), tree_map(unwrap, kwargs)
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            out = _on_device_stream(func, host_args, host_kwargs)
+        else:
+            out = func(*host_args, **host_kwargs)
+
+        def wrap(o):
+            if isinstance(o, torch.Tensor) and not isinstance(o, NpuTensor):
+                same = by_id.get(id(o))
+                return same if same is not None else NpuTensor(o, device)
+            return o
+
+        return tree_map(wrap, out)
+
+
+def _on_device_stream(func, args, kwargs):
+    """A random op on device tensors draws from the NPU generator's op stream, not the host's."""
+    from ._generator import default_generator
+
+    gen = default_generator(0)
+    host_state = torch.default_generator.get_state()
+    torch.default_generator.set_state(gen.ops_state)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        gen.ops_state = torch.default_generator.get_state()
+        torch.default_generator.set_state(host_state)
+
+
+def _rebuild(host: torch.Tensor, index: int, requires_grad: bool) -> NpuTensor:
+    t = NpuTensor(host, _npu_device(index))
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def host_of(t: torch.Tensor) -> torch.Tensor:
+    return t._host if isinstance(t, NpuTensor) else t
+
+
+def rebind(param: torch.Tensor, new: torch.Tensor) -> None:
+    """`param.data = new` that also re-points a device tensor's host values (fused optimizers)."""
+    param.data = new
+    if isinstance(param, NpuTensor) and isinstance(new, NpuTensor):
+        param._host = new._host
+
+
+# --- PrivateUse1 kernels ----------------------------------------------------------------------
+
+
+def _device_index(device) -> int | None:
+    return None if device is None else torch.device(device).index
+
+
+def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    host = torch.empty(size, dtype=dtype, layout=layout, device="cpu",
+                       memory_format=memory_format or torch.contiguous_format)
+    return NpuTensor(host, _npu_device(_device_index(device)))
+
+
+def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    host = torch.empty_strided(size, stride, dtype=dtype, layout=layout, device="cpu")
+    return NpuTensor(host, _npu_device(_device_index(device)))
+
+
+def _copy_from(self, dst, non_blocking=False):
+    host_of(dst).copy_(host_of(self))
+    return dst
+
+
+def _copy_from_and_resize(self, dst):
+    d = host_of(dst)
+    if d.shape != self.shape:
+        raise RuntimeError(f"emulated npu: cannot resize a device tensor of shape {tuple(d.shape)} to "
+                           f"{tuple(self.shape)} in a copy")
+    d.copy_(host_of(self))
+    return dst
+
+
+def _register_kernels() -> None:
+    global _lib
+    _lib = torch.library.Library("aten", "IMPL")
+    for name, fn in (("empty.memory_format", _empty), ("empty_strided", _empty_strided),
+                     ("_copy_from", _copy_from), ("_copy_from_and_resize", _copy_from_and_resize)):
+        _lib.impl(name, fn, "PrivateUse1")
+
+
+def install(npu_module) -> None:
+    """Idempotent; raises if another PrivateUse1 backend is already registered in this process."""
+    global _installed
+    if _installed:
+        return
+    from torch.utils import backend_registration
+
+    current = torch._C._get_privateuse1_backend_name()
+    if current not in ("privateuseone", "npu"):
+        raise RuntimeError(
+            f"cannot emulate torch_npu: PyTorch's PrivateUse1 backend is already registered as {current!r}"
+        )
+    backend_registration._setup_privateuseone_for_python_backend(rename="npu", backend_module=npu_module)
+    _register_kernels()
+    from ._device_autocast import install as install_autocast
+    from ._device_collectives import install as install_collectives
+    from ._device_map import patch_pin_memory
+
+    patch_pin_memory()
+    install_autocast()
+    install_collectives()
+    _installed = True
