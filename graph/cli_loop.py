@@ -1,11 +1,9 @@
-"""CLI commands of the loop: run, resume, status, review, report, demo. Registered on the app in cli.py."""
+"""CLI commands of the loop: run, resume, status, review, report, demo, verify. Mounted on the root app by cli.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import tempfile
 import time
 from datetime import datetime
@@ -13,50 +11,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.syntax import Syntax
 
+from trainbridge.graph.cli_display import ask_decision, print_outcome, say as _say, show_review
+from trainbridge.graph.cli_inputs import examples_dir, parse_duration
+from trainbridge.graph.cli_server import review_on_server, run_on_server, served_run_status
 from trainbridge.graph.terminal import console
 from trainbridge.graph.terminal import error as _error
-
-
-def _say(message: str) -> None:
-    console.print(f"[dim]{datetime.now():%H:%M:%S}[/] {message}", soft_wrap=True, highlight=False)
-
-
-
-def parse_duration(text: str) -> float:
-    """'8h', '90m', '45s', '1h30m' or plain seconds."""
-    import re
-
-    if re.fullmatch(r"\d+(\.\d+)?", text):
-        return float(text)
-    parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", text)
-    if not parts or "".join(a + b for a, b in parts) != text:
-        raise typer.BadParameter(f"{text!r} is not a duration like 8h, 90m, 1h30m or 3600")
-    return sum(float(value) * {"h": 3600, "m": 60, "s": 1}[unit] for value, unit in parts)
-
-
-def print_outcome(name: str, waiting: dict | None, state: dict, finished: bool, *, review_command: str,
-                  where: str = "", show_report: bool = True) -> bool:
-    """A paused or finished run as the CLI shows it (local or served: `where` says on which machine the
-    branch and report are). Returns False when the run is neither, for the caller to say what it is."""
-    from trainbridge.graph.app import summary_line
-
-    if waiting is not None:
-        console.print(f"[yellow]paused for review[/] of candidate {waiting.get('candidate')} ({(waiting.get('intent') or {}).get('category')}); "
-                      f"answer with: {review_command}", soft_wrap=True)
-        return True
-    if not finished:
-        return False
-    console.print(f"[green]run {name} finished[/]: {state.get('stop_reason')}; {summary_line(state)}", soft_wrap=True)
-    console.print(f"branch: {state.get('run_branch')}" + (f" (in the repository {where})" if where else ""), soft_wrap=True)
-    for path in state.get("report_paths") or []:
-        if path.endswith("report.md"):
-            console.print(f"report {where}: {path}" if where else f"report: {path}", soft_wrap=True)
-            if show_report:
-                print(Path(path).read_text(encoding="utf-8"))
-    return True
 
 
 def _report_outcome(outcome) -> None:
@@ -101,8 +61,6 @@ def run(
         _error(str(exc))
         raise typer.Exit(2) from None
     if server:
-        from trainbridge.graph.cli_server import run_on_server
-
         run_on_server(server, config)
         return
     _say(f"run {name} on {repo} (target {target}); resume with: trainbridge resume {name}")
@@ -146,7 +104,6 @@ def resume(run_id: str = typer.Argument(..., help="The run to continue.")) -> No
 def status(run_id: Optional[str] = typer.Argument(None, help="A run (default: list all runs).")) -> None:
     """Where a run stands: current node, intents done/left, candidates, accepted speedup so far (a served run: asked of its server)."""
     from trainbridge.graph.app import RunError, run_status, summary_line
-    from trainbridge.graph.cli_server import served_run_status
     from trainbridge.graph.state import runs_root
 
     if run_id is None:
@@ -191,8 +148,6 @@ def review_cmd(
 
     The same review, payload and answer whether the run is local or on a LangGraph server (--server URL)."""
     if server:
-        from trainbridge.graph.cli_server import review_on_server
-
         review_on_server(server, run_id, action, reason, patch_file)
         return
     from trainbridge.graph.app import RunError, answer_review, run_status
@@ -216,56 +171,9 @@ def review_cmd(
     _report_outcome(outcome)
 
 
-def show_review(payload: dict) -> None:
-    """The review payload (graph/review.py) as a person reads it: the patch, its intent and evidence, the figures so far."""
-    intent = payload.get("intent") or {}
-    where = ", ".join(f"{s['file']}:{s['line_start']}" for s in intent.get("spans") or [])
-    console.print(f"candidate {payload['candidate']} — recipe {payload.get('recipe_id')} — intent {intent.get('category')} at {where}",
-                  soft_wrap=True)
-    console.print(f"evidence: {json.dumps(intent.get('evidence'), default=str)}", soft_wrap=True, highlight=False)
-    measured = payload.get("measured") or {}
-    if measured.get("baseline_step_s"):
-        judged = [v for v in measured.get("verdicts") or [] if v.get("candidate")]
-        console.print(f"so far: baseline step {measured['baseline_step_s'] * 1000:.1f} ms; {len(judged)} candidate(s) judged, "
-                      f"{len(measured.get('accepted') or [])} accepted (gate ratios multiply to {measured.get('accepted_ratio_product', 1.0):.3f})",
-                      soft_wrap=True, highlight=False)
-        for verdict in judged:
-            ratio = f", ratio {verdict['ratio']:.3f}" if verdict.get("ratio") else ""
-            console.print(f"  {verdict['candidate']}: {verdict['reason']}{ratio}", soft_wrap=True, highlight=False)
-    Console().print(Syntax(payload.get("diff") or "", "diff"))
-
-
-def ask_decision(payload: dict, action: Optional[str], reason: Optional[str], patch_file: Optional[Path]) -> dict:
-    """The resume value (review schema) from the options, asking for what is missing."""
-    from trainbridge.graph.review import REVIEW_SCHEMA_VERSION
-
-    action = action or typer.prompt("approve, reject or edit", type=str)
-    decision: dict = {"schema": REVIEW_SCHEMA_VERSION, "action": action}
-    if action == "reject":
-        decision["reason"] = reason or typer.prompt("reason")
-    elif action == "edit":
-        decision["patch"] = patch_file.read_text(encoding="utf-8") if patch_file else _edit_in_editor(payload.get("diff") or "")
-    elif action != "approve":
-        _error("action must be approve, reject or edit")
-        raise typer.Exit(2)
-    return decision
-
-
-def _edit_in_editor(diff: str) -> str:
-    editor = os.environ.get("EDITOR") or os.environ.get("VISUAL") or "vi"
-    with tempfile.NamedTemporaryFile("w", suffix=".patch", delete=False) as handle:
-        handle.write(diff)
-    try:
-        subprocess.run([*editor.split(), handle.name], check=True)
-        return Path(handle.name).read_text(encoding="utf-8")
-    finally:
-        Path(handle.name).unlink(missing_ok=True)
-
-
 def report_cmd(run_id: str = typer.Argument(..., help="The run.")) -> None:
     """Print where a finished run's report is, and its markdown."""
     from trainbridge.graph.app import RunError, run_status
-    from trainbridge.graph.cli_server import served_run_status
 
     try:
         info = served_run_status(run_id) or run_status(run_id)
@@ -294,8 +202,8 @@ def demo(
 ) -> None:
     """Copy a bundled example into a temporary git repository and run the whole loop on it; print where the branch and report are."""
     from trainbridge.graph.app import start_run
-    from trainbridge.graph.cli import examples_dir
     from trainbridge.graph.state import RunConfig
+    from trainbridge.tools.git_ops import GitIdentity, run_git
 
     source = examples_dir() / example
     if not (source / "trainbridge.toml").is_file():
@@ -303,9 +211,9 @@ def demo(
         raise typer.Exit(2)
     repo = Path(tempfile.mkdtemp(prefix=f"trainbridge-demo-{example}-")) / example
     shutil.copytree(source, repo, ignore=shutil.ignore_patterns("__pycache__"))
-    for argv in (["git", "init", "-q"], ["git", "add", "-A"],
-                 ["git", "-c", "user.name=TrainBridge demo", "-c", "user.email=demo@localhost", "commit", "-qm", f"{example} as shipped"]):
-        subprocess.run(argv, cwd=repo, check=True)
+    demo_author = GitIdentity(name="TrainBridge demo", email="demo@localhost")
+    for args in (("init", "-q"), ("add", "-A"), ("commit", "-qm", f"{example} as shipped")):
+        run_git(repo, *args, identity=demo_author)
     run_id = f"demo-{example}-{datetime.now():%Y%m%d-%H%M%S}".replace("_", "-")
     started = time.monotonic()
     _say(f"demo repository: {repo}")

@@ -14,7 +14,9 @@ from typing import Any, Literal
 from langgraph.runtime import Runtime
 from langgraph.types import interrupt
 
-from trainbridge.agents.coder.candidate import Candidate, CoderRefusal, make_candidate
+from trainbridge.agents.coder.attempts import coder_turn
+from trainbridge.agents.coder.candidate import Candidate
+from trainbridge.agents.retrieval.choose import choose_intent
 from trainbridge.graph import npu_pending
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.landed import added_lines, is_own_rewrite
@@ -102,47 +104,20 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
 _ANALYSIS_PARTS = {"static_scan": "static", "target_profile": "profile", "reference": "reference"}
 
 
-# The implementation ladder's last rung (reference README): compile just the region. Not on the NPU:
-# there `backend="npu"` may silently run eager, and without an NPU its speed cannot be judged here.
-LAST_RESORT_CATEGORY = "elementwise_chain"
-LAST_RESORT_TARGETS = ("cpu", "cuda")
-
-
 # --- retrieval -----------------------------------------------------------------------------------
 
 
 def retrieval(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
-    """Pick the best remaining intent and the recipes to try for it, best first. Intents whose only
-    option is the last resort (a regional compile) wait until no intent with a recipe of its own is left."""
+    """The retrieval agent picks the best remaining intent and the recipes to try for it, best first."""
     ctx = runtime.context
-    done = set(state.get("done_intents", []))
-    deferred: tuple[dict[str, Any], Intent, list[str]] | None = None
-    for data in state.get("intents", []):
-        intent = Intent.model_validate(data)
-        if intent.id in done:
-            continue
-        ranked = ctx.kb.rank_recipes(intent, ctx.config.target, n=50)
-        queue = _allowed(ctx, [r.recipe.id for r in ranked if str(r.recipe.category) == str(intent.category)])
-        if not queue and ctx.config.target in LAST_RESORT_TARGETS:
-            if deferred is None:
-                last = _allowed(ctx, [r.id for r in ctx.kb.list_recipes(category=LAST_RESORT_CATEGORY, target=ctx.config.target)])
-                if last:
-                    deferred = (data, intent, last)
-            continue
-        return _chosen(ctx, data, intent, queue, last_resort=False)
-    if deferred is not None:
-        return _chosen(ctx, *deferred, last_resort=True)
-    return {"node": "retrieval", "current_intent": None, "recipe_queue": [], "stop_reason": state.get("stop_reason") or "no intents left"}
-
-
-def _allowed(ctx: RunContext, recipe_ids: list[str]) -> list[str]:
-    return [r for r in recipe_ids if ctx.config.recipe_ids is None or r in ctx.config.recipe_ids]
-
-
-def _chosen(ctx: RunContext, data: dict[str, Any], intent: Intent, queue: list[str], *, last_resort: bool) -> dict[str, Any]:
-    ctx.say(f"intent {intent.category} at {', '.join(str(s) for s in intent.spans)}: {len(queue)} "
-            f"{'last-resort ' if last_resort else ''}recipe(s)")
-    return {"node": "retrieval", "current_intent": data, "recipe_queue": queue, "candidate": None,
+    choice = choose_intent(state.get("intents", []), done=set(state.get("done_intents", [])), kb=ctx.kb,
+                           target=ctx.config.target, allowed=ctx.config.recipe_ids)
+    if choice is None:
+        return {"node": "retrieval", "current_intent": None, "recipe_queue": [],
+                "stop_reason": state.get("stop_reason") or "no intents left"}
+    ctx.say(f"intent {choice.intent.category} at {', '.join(str(s) for s in choice.intent.spans)}: {len(choice.queue)} "
+            f"{'last-resort ' if choice.last_resort else ''}recipe(s)")
+    return {"node": "retrieval", "current_intent": choice.data, "recipe_queue": choice.queue, "candidate": None,
             "review_feedback": None, "verdict": None}
 
 
@@ -156,36 +131,14 @@ def route_after_retrieval(state: RunState) -> Literal["coder", "decide", "report
 
 
 def coder(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
-    """Apply the next recipe that fits; refusals are recorded as verdicts and the queue moves on."""
+    """The coder agent applies the next recipe that fits; refusals are recorded as verdicts and the queue moves on."""
     ctx = runtime.context
     workspace = ctx.workspace(state["base_sha"])
-    intent = Intent.model_validate(state["current_intent"])
-    queue = list(state.get("recipe_queue", []))
-    refusals: list[dict[str, Any]] = []
-    attempt = sum(1 for v in state.get("verdicts", []) if v.get("intent_id") == intent.id)
-    while queue:
-        recipe = ctx.kb.get_recipe(queue.pop(0))
-        if recipe is None:
-            continue
-        made = make_candidate(workspace, intent, recipe, attempt, overlay=npu_pending.pending_head(ctx, workspace))
-        if isinstance(made, Candidate):
-            ctx.say(f"candidate {made.name}: {', '.join(made.files)}")
-            return {"node": "coder", "candidate": made.model_dump(mode="json"), "recipe_queue": queue, "verdicts": refusals}
-        refusals.append(_refusal_record(intent, made))
-    if ctx.llm is not None and not any(v.get("intent_id") == intent.id and v.get("recipe_id") is None for v in state.get("verdicts", [])):
-        from trainbridge.agents.coder.llm import llm_candidate
-
-        ctx.say(f"no recipe fits {intent.category}: asking the LLM for a patch confined to the span")
-        made = llm_candidate(workspace, intent, ctx.llm, feedback=state.get("review_feedback"), target=ctx.config.target, attempt=attempt)
-        if isinstance(made, Candidate):
-            return {"node": "coder", "candidate": made.model_dump(mode="json"), "recipe_queue": [], "verdicts": refusals}
-        refusals.append({**_refusal_record(intent, made), "recipe_id": None})
-    return {"node": "coder", "candidate": None, "recipe_queue": [], "verdicts": refusals}
-
-
-def _refusal_record(intent: Intent, refusal: CoderRefusal) -> dict[str, Any]:
-    return {"intent_id": intent.id, "category": str(intent.category), "recipe_id": refusal.recipe_id, "candidate": None,
-            "accepted": False, "reason": "not_applicable", "message": refusal.reason, "ratio": None, "ratio_ci": None}
+    turn = coder_turn(workspace, Intent.model_validate(state["current_intent"]), state.get("recipe_queue", []), kb=ctx.kb,
+                      llm=ctx.llm, verdicts=state.get("verdicts", []), feedback=state.get("review_feedback"),
+                      target=ctx.config.target, overlay=npu_pending.pending_head(ctx, workspace), say=ctx.say)
+    candidate = turn.candidate.model_dump(mode="json") if turn.candidate is not None else None
+    return {"node": "coder", "candidate": candidate, "recipe_queue": turn.queue, "verdicts": turn.refusals}
 
 
 def route_after_coder(state: RunState, runtime: Runtime[RunContext]) -> Literal["review", "profiler", "decide"]:

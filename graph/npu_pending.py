@@ -3,7 +3,6 @@ passed on the emulation wait (one commit each, stacked) for `trainbridge verify`
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -51,15 +50,7 @@ def pending_head(ctx: RunContext, workspace) -> str | None:
         return None
     from trainbridge.tools.git_ops import side_branch_name
 
-    branch = side_branch_name(ctx.config.run_id, "pending-npu")
-    found = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}"], cwd=workspace.repo.root,
-                           capture_output=True, text=True)
-    return found.stdout.strip() or None
-
-
-def git(repo: Path, *args: str) -> str:
-    identity = ["-c", "user.name=TrainBridge", "-c", "user.email=trainbridge@localhost", "-c", "commit.gpgsign=false"]
-    return subprocess.run(["git", *identity, *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+    return workspace.ref_sha(side_branch_name(ctx.config.run_id, "pending-npu"))
 
 
 def stack_on_pending(ctx: RunContext, workspace, candidate: Candidate) -> tuple[str, str]:
@@ -70,13 +61,14 @@ def stack_on_pending(ctx: RunContext, workspace, candidate: Candidate) -> tuple[
 
     branch = side_branch_name(ctx.config.run_id, "pending-npu")
     repo = workspace.repo.root
-    head = pending_head(ctx, workspace)
-    tree = git(repo, "rev-parse", f"{candidate.sha}^{{tree}}")
-    if head is not None and git(repo, "rev-parse", f"{head}^{{tree}}") == tree:
-        return branch, head
-    message = git(repo, "log", "-1", "--format=%B", candidate.sha)
-    new = git(repo, "commit-tree", tree, "-p", head or candidate.base_sha, "-m", message)
-    git(repo, "update-ref", "-m", f"trainbridge: pending {candidate.name}", f"refs/heads/{branch}", new, head or "0" * 40)
+    with workspace.locked():  # the workspace lock and the trainbridge/ prefix check, like every ref we move
+        head = pending_head(ctx, workspace)
+        tree = workspace.git(repo, "rev-parse", f"{candidate.sha}^{{tree}}")
+        if head is not None and workspace.git(repo, "rev-parse", f"{head}^{{tree}}") == tree:
+            return branch, head
+        message = workspace.git(repo, "log", "-1", "--format=%B", candidate.sha)
+        new = workspace.git(repo, "commit-tree", tree, "-p", head or candidate.base_sha, "-m", message)
+        workspace.update_ref(branch, new, head or "", f"pending {candidate.name}")
     return branch, new
 
 

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-import git
 from pydantic import Field
 
 from trainbridge.records import Record
@@ -118,13 +117,13 @@ def _verify(config, paths, availability, *, gate, rounds, min_gain, confidence, 
     report = VerifyReport(run_id=run_id, backend=backend, probe_reason=availability.reason, pending_branch=side,
                           run_head_before=head_before, run_head_after=head_before, outcomes=list(decided.values()),
                           record_path=str(record_path))
-    pending_head = _ref_sha(workspace.repo.root, side)
+    pending_head = workspace.ref_sha(side)
     if pending_head is None:
         say(f"nothing to verify: {side} does not exist")
         return report
-    from trainbridge.tools.git_ops import _commits
+    from trainbridge.tools.git_ops import commits
 
-    pending = list(reversed(_commits(workspace.repo.root, pending_head, "--not", head_before)))
+    pending = list(reversed(commits(workspace.repo.root, pending_head, "--not", head_before)))
     known = _known_candidates(run_id, root)
     for commit in pending:
         if commit.sha in decided:
@@ -208,18 +207,14 @@ def replay_name(original: str | None, sha: str) -> str:
 
 def _cherry_pick(path: Path, sha: str, identity) -> tuple[bool, str]:
     """Apply `sha`'s change to the candidate worktree without committing; undo it all on failure."""
-    env = {**os.environ, "GIT_AUTHOR_NAME": identity.name, "GIT_AUTHOR_EMAIL": identity.email,
-           "GIT_COMMITTER_NAME": identity.name, "GIT_COMMITTER_EMAIL": identity.email, "GIT_EDITOR": "true"}
-    runner = git.Git(str(path))
-    status, _, err = runner.execute(["git", "-c", "core.hooksPath=/dev/null", "cherry-pick", "--no-commit", sha], env=env,
-                                    with_extended_output=True, with_exceptions=False)
+    from trainbridge.tools.git_ops import run_git_status
+
+    status, _, err = run_git_status(path, "cherry-pick", "--no-commit", sha, identity=identity)
     if status == 0:
         return True, ""
-    _, unmerged, _ = runner.execute(["git", "diff", "--name-only", "--diff-filter=U"], with_extended_output=True,
-                                    with_exceptions=False)
-    runner.execute(["git", "cherry-pick", "--quit"], with_extended_output=True, with_exceptions=False)
-    runner.execute(["git", "reset", "-q", "--hard", "HEAD"], with_extended_output=True, with_exceptions=False)
-    runner.execute(["git", "clean", "-fdq"], with_extended_output=True, with_exceptions=False)
+    _, unmerged, _ = run_git_status(path, "diff", "--name-only", "--diff-filter=U", identity=identity)
+    for undo in (("cherry-pick", "--quit"), ("reset", "-q", "--hard", "HEAD"), ("clean", "-fdq")):
+        run_git_status(path, *undo, identity=identity)
     if unmerged.split():
         return False, f"conflicts in {', '.join(unmerged.split())}"
     return False, (err or "").strip().splitlines()[0] if (err or "").strip() else f"git cherry-pick exited with {status}"
@@ -229,30 +224,24 @@ def _cherry_pick(path: Path, sha: str, identity) -> tuple[bool, str]:
 
 
 def _open_workspace(context):
-    from trainbridge.tools.git_ops import RunWorkspace, run_branch_name
+    from trainbridge.tools.git_ops import RunWorkspace, ref_sha, run_branch_name
 
     repo = context.user_repo
     branch = run_branch_name(context.config.run_id)
-    if _ref_sha(repo.root, branch) is None:
+    if ref_sha(repo.root, branch) is None:
         raise VerifyError(f"{repo.root} has no branch {branch}: run {context.config.run_id} made no run branch there "
                           "(was it started on another clone?)")
     # the run branch itself as the base: create_run then reuses the branch and its recorded base
     return RunWorkspace.create_run(repo, context.config.run_id, branch, workspace_root=context.paths.workspace)
 
 
-def _ref_sha(repo_root: Path, branch: str) -> str | None:
-    status, out, _ = git.Git(str(repo_root)).execute(["git", "rev-parse", "--verify", "-q", f"refs/heads/{branch}"],
-                                                       with_extended_output=True, with_exceptions=False)
-    return out.strip() if status == 0 else None
-
-
 def _drop_pending(workspace, side: str, expected: str) -> bool:
     """Delete the pending branch (compare-and-swap on the head we replayed) and the run's worktrees."""
     workspace.cleanup()  # the pending branch's worktree must go before its branch
-    if _ref_sha(workspace.repo.root, side) != expected:
+    if workspace.ref_sha(side) != expected:
         return False  # something was pushed meanwhile: keep it for the next verify
-    with workspace._locked():
-        workspace._update_ref(side, None, expected, "pending commits verified on hardware")
+    with workspace.locked():
+        workspace.update_ref(side, None, expected, "pending commits verified on hardware")
     return True
 
 

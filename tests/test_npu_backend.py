@@ -467,7 +467,7 @@ def test_profile_capture_reports_missing_output_and_refuses_the_emulation(tmp_pa
 
 
 def test_capture_refuses_up_front_where_the_child_would_be_emulated(tmp_path, fresh_probe_cache):
-    from trainbridge.tools.npu_profile_capture import NpuProfileUnavailable, capture_npu_profile
+    from trainbridge.sandbox.npu_profile import NpuProfileUnavailable, capture_npu_profile
 
     with pytest.raises(NpuProfileUnavailable, match="needs a real NPU: torch_npu is not installed"):
         capture_npu_profile(_probe_workload(tmp_path / "wl"), tmp_path / "prof")

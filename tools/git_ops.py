@@ -69,7 +69,12 @@ _LOCATION_VARS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRE
                   "GIT_COMMON_DIR", "GIT_NAMESPACE")
 _SAFE_CONFIG = ("-c", "gc.auto=0", "-c", "maintenance.auto=false", "-c", "core.hooksPath=/dev/null",
                 "-c", "commit.gpgsign=false", "-c", "core.fsmonitor=false", "-c", "advice.detachedHead=false",
-                "-c", "log.showSignature=false", "-c", "color.ui=false", "-c", "core.quotePath=false")
+                "-c", "log.showSignature=false", "-c", "color.ui=false", "-c", "core.quotePath=false",
+                # output we parse must not depend on the user's config: diffs always say a/ and b/,
+                # never colour, never relative to a subdirectory, never through an external driver
+                "-c", "diff.noprefix=false", "-c", "diff.mnemonicPrefix=false", "-c", "diff.relative=false",
+                "-c", "diff.external=", "-c", "color.diff=false", "-c", "color.status=false",
+                "-c", "color.branch=false", "-c", "core.pager=cat", "-c", "tag.gpgSign=false")
 _IN_OUR_WORKTREE_STATE = ("MERGE_HEAD", "CHERRY_PICK_HEAD", "sequencer")  # what our own commands can leave
 
 
@@ -238,6 +243,19 @@ class CleanupResult(Record):
 # ---------------------------------------------------------------- running git
 
 
+def run_git(cwd: Path, *args: str, identity: GitIdentity | None = None, env: dict[str, str] | None = None,
+            strip: bool = True) -> str:
+    """The one door to git: `git <args>` in `cwd` with hooks, signing, housekeeping and the user's
+    output-shaping config off, as `identity`; its stdout, or GitCommandFailed."""
+    return _git(cwd, *args, identity=identity, env=env, strip=strip)
+
+
+def run_git_status(cwd: Path, *args: str, identity: GitIdentity | None = None, env: dict[str, str] | None = None,
+                   strip: bool = True) -> tuple[int, str, str]:
+    """As `run_git`, returning (exit status, stdout, stderr) instead of raising."""
+    return _git_status(cwd, *args, identity=identity, env=env, strip=strip)
+
+
 def _git(cwd: Path, *args: str, identity: GitIdentity | None = None, env: dict[str, str] | None = None,
          strip: bool = True) -> str:
     status, out, err = _git_status(cwd, *args, identity=identity, env=env, strip=strip)
@@ -255,6 +273,12 @@ def _git_status(cwd: Path, *args: str, identity: GitIdentity | None = None, env:
                 "GIT_SEQUENCE_EDITOR": "true", "GIT_MERGE_AUTOEDIT": "no", **(env or {})}
     return git.Git(str(cwd)).execute(argv, env=full_env, with_extended_output=True, with_exceptions=False,
                                      strip_newline_in_stdout=strip)
+
+
+def ref_sha(repo_root: Path, branch: str) -> str | None:
+    """The commit branch `refs/heads/<branch>` points at in the repository, None when it does not exist."""
+    status, out, _ = _git_status(repo_root, "rev-parse", "--verify", "-q", f"refs/heads/{branch}")
+    return out if status == 0 else None
 
 
 def _under(path: Path, root: Path) -> bool:
@@ -355,7 +379,9 @@ def open_repo(path: str | Path) -> UserRepo:
 
 
 @dataclass(frozen=True)
-class _Commit:
+class Commit:
+    """One commit as `commits` reads it."""
+
     sha: str
     parents: tuple[str, ...]
     tree: str
@@ -376,13 +402,14 @@ class _Worktree:
     prunable: bool
 
 
-def _commits(cwd: Path, *revs: str) -> list[_Commit]:
+def commits(cwd: Path, *revs: str) -> list[Commit]:
+    """The commits `git log <revs>` lists in `cwd`, newest first."""
     out = _git(cwd, "log", "--format=%H%x00%P%x00%T%x00%B%x1e", *revs, "--")
     commits = []
     for record in out.split("\x1e"):
         if record.strip():
             sha, parents, tree, message = record.lstrip("\n").split("\0", 3)
-            commits.append(_Commit(sha, tuple(parents.split()), tree, message))
+            commits.append(Commit(sha, tuple(parents.split()), tree, message))
     return commits
 
 
@@ -438,30 +465,30 @@ class RunWorkspace:
     def start_candidate(self, name: str) -> CandidateWorkspace:
         """Branch + worktree for candidate `name` at the run head; a reused one is reset to it."""
         branch = candidate_branch_name(self.run_id, name)
-        with self._locked():
+        with self.locked():
             run_head = self._run_head()
-            current = self._ref_sha(branch)
+            current = self.ref_sha(branch)
             if current is None:
-                self._update_ref(branch, run_head, "", f"start candidate {name}")
+                self.update_ref(branch, run_head, "", f"start candidate {name}")
             self._ensure_worktree(branch, self._cand_path(name))
             reset_from = None
             if current is not None:
                 if current != run_head:
                     reset_from = current
-                    last = _commits(self.repo.root, "-1", current)[0]
+                    last = commits(self.repo.root, "-1", current)[0]
                     if last.candidate() == name:
                         self._state_file(name).write_text(current)
-                self._in(self._cand_path(name), "reset", "-q", "--hard", run_head)
-                self._in(self._cand_path(name), "clean", "-fdq")
+                self.git(self._cand_path(name), "reset", "-q", "--hard", run_head)
+                self.git(self._cand_path(name), "clean", "-fdq")
             return CandidateWorkspace(run_id=self.run_id, name=name, branch=branch, path=self._cand_path(name),
                                       base_sha=run_head, reset_from=reset_from)
 
     def commit_candidate(self, name: str, message: str) -> CommitResult:
         """Commit everything in the candidate's worktree as one commit; safe to call again."""
         branch = candidate_branch_name(self.run_id, name)
-        with self._locked():
+        with self.locked():
             run_head = self._run_head()
-            current = self._ref_sha(branch)
+            current = self.ref_sha(branch)
             if current is None:
                 found = self._find_in_run(name)
                 if found:
@@ -476,31 +503,31 @@ class RunWorkspace:
                 if found is not None and found.sha == current:  # accepted; killed before the candidate was removed
                     return CommitResult(candidate=name, branch=branch, base_sha=found.parents[0], sha=current,
                                         created=False, empty=False, already_accepted=True)
-            above = _commits(self.repo.root, current, "--not", base)
+            above = commits(self.repo.root, current, "--not", base)
             self._refuse_foreign(name, above)
-            self._in(path, "add", "-A")
-            tree = self._in(path, "write-tree")
+            self.git(path, "add", "-A")
+            tree = self.git(path, "write-tree")
             previous = self._state_file(name)
             reusable = above[:1] if len(above) == 1 else []
             if previous.exists() and self._is_commit(previous.read_text().strip()):
-                reusable += _commits(self.repo.root, "-1", previous.read_text().strip())
+                reusable += commits(self.repo.root, "-1", previous.read_text().strip())
             for commit in reusable:
                 if commit.tree == tree and commit.parents == (base,) and commit.candidate() == name:
                     if commit.sha != current:
-                        self._in(path, "reset", "-q", "--soft", commit.sha)
+                        self.git(path, "reset", "-q", "--soft", commit.sha)
                     return CommitResult(candidate=name, branch=branch, base_sha=base, sha=commit.sha, created=False,
                                         empty=False, files=self._changed_files(base, commit.sha))
             if current != base:
-                self._in(path, "reset", "-q", "--soft", base)
-            if tree == self._in(path, "rev-parse", f"{base}^{{tree}}"):
+                self.git(path, "reset", "-q", "--soft", base)
+            if tree == self.git(path, "rev-parse", f"{base}^{{tree}}"):
                 return CommitResult(candidate=name, branch=branch, base_sha=base, sha=None, created=False,
                                     empty=True, replaced=[c.sha for c in above])
             body = "\n".join(line for line in message.strip().splitlines()
                              if not line.startswith((f"{TRAILER_CANDIDATE}:", f"{TRAILER_RUN}:")))
             trailers = f"{TRAILER_CANDIDATE}: {name}\n{TRAILER_RUN}: {self.run_id}"
-            self._in(path, "commit", "-q", "--no-verify", "--cleanup=whitespace", "-m",
+            self.git(path, "commit", "-q", "--no-verify", "--cleanup=whitespace", "-m",
                      body or f"TrainBridge candidate {name}", "-m", trailers)
-            sha = self._in(path, "rev-parse", "HEAD")
+            sha = self.git(path, "rev-parse", "HEAD")
             self.made_shas.append(sha)
             return CommitResult(candidate=name, branch=branch, base_sha=base, sha=sha, created=True, empty=False,
                                 replaced=[c.sha for c in above], files=self._changed_files(base, sha))
@@ -508,8 +535,8 @@ class RunWorkspace:
     def candidate_diff(self, name: str, *, include_uncommitted: bool = False) -> str:
         """Unified diff of the candidate against the run head it started from."""
         branch = candidate_branch_name(self.run_id, name)
-        with self._locked():
-            current = self._ref_sha(branch)
+        with self.locked():
+            current = self.ref_sha(branch)
             if current is None:
                 raise self._not_found(name)
             base = self._merge_base(current, self._run_head())
@@ -517,12 +544,12 @@ class RunWorkspace:
             if include_uncommitted:
                 path = self._cand_path(name)
                 self._ensure_worktree(branch, path)
-                index = Path(self._in(path, "rev-parse", "--absolute-git-dir")) / "trainbridge-diff.index"
+                index = Path(self.git(path, "rev-parse", "--absolute-git-dir")) / "trainbridge-diff.index"
                 env = {"GIT_INDEX_FILE": str(index)}
                 try:
-                    self._in(path, "read-tree", "HEAD", env=env)
-                    self._in(path, "add", "-A", env=env)
-                    target = self._in(path, "write-tree", env=env)
+                    self.git(path, "read-tree", "HEAD", env=env)
+                    self.git(path, "add", "-A", env=env)
+                    target = self.git(path, "write-tree", env=env)
                 finally:
                     index.unlink(missing_ok=True)
             return _git(self.repo.root, "diff", "--no-color", "--no-ext-diff", "--src-prefix=a/", "--dst-prefix=b/",
@@ -531,9 +558,9 @@ class RunWorkspace:
     def accept_candidate(self, name: str) -> AcceptResult:
         """Fast-forward the run branch to the candidate's commit, then delete the candidate."""
         branch = candidate_branch_name(self.run_id, name)
-        with self._locked():
+        with self.locked():
             run_head = self._run_head()
-            current = self._ref_sha(branch)
+            current = self.ref_sha(branch)
             if current is None:
                 found = self._find_in_run(name)
                 if found is None:
@@ -555,8 +582,8 @@ class RunWorkspace:
                                      f"started from {self._merge_base(current, run_head)[:12]}; accepting it "
                                      "would not be a fast-forward.",
                                      f"Call start_candidate({name!r}) to redo it on the new run head, or reject it.")
-            self._refuse_foreign(name, _commits(self.repo.root, current, "--not", run_head), single=True)
-            self._update_ref(self.branch, current, run_head, f"accept candidate {name}")
+            self._refuse_foreign(name, commits(self.repo.root, current, "--not", run_head), single=True)
+            self.update_ref(self.branch, current, run_head, f"accept candidate {name}")
             self._sync_run_worktree()
             self._remove_candidate(name)
             return AcceptResult(candidate=name, sha=current, previous_head=run_head, run_head=current,
@@ -564,7 +591,7 @@ class RunWorkspace:
 
     def reject_candidate(self, name: str) -> RejectResult:
         """Delete the candidate's worktree and branch (whatever state they are in)."""
-        with self._locked():
+        with self.locked():
             deleted = self._remove_candidate(name)
             return RejectResult(candidate=name, deleted_sha=deleted, existed=deleted is not None)
 
@@ -572,11 +599,11 @@ class RunWorkspace:
         """Put the candidate's commit on the run-owned side branch `<run branch>.<suffix>`."""
         side = side_branch_name(self.run_id, suffix)
         branch = candidate_branch_name(self.run_id, name)
-        with self._locked():
+        with self.locked():
             run_head = self._run_head()
-            side_head = self._ref_sha(side)
-            current = self._ref_sha(branch)
-            done = next((c for c in _commits(self.repo.root, side_head, "--not", run_head)
+            side_head = self.ref_sha(side)
+            current = self.ref_sha(branch)
+            done = next((c for c in commits(self.repo.root, side_head, "--not", run_head)
                          if c.candidate() == name), None) if side_head else None
             if done is not None:
                 removed = remove_candidate and self._remove_candidate(name) is not None
@@ -585,21 +612,21 @@ class RunWorkspace:
             if current is None:
                 raise self._not_found(name)
             base = self._merge_base(current, run_head)
-            self._refuse_foreign(name, _commits(self.repo.root, current, "--not", base), single=True)
+            self._refuse_foreign(name, commits(self.repo.root, current, "--not", base), single=True)
             if side_head is None:
-                self._update_ref(side, run_head, "", f"create {suffix} branch")
+                self.update_ref(side, run_head, "", f"create {suffix} branch")
                 side_head = run_head
             path = self.root / "branches" / suffix
             self._ensure_worktree(side, path)
-            self._in(path, "reset", "-q", "--hard", "HEAD")
+            self.git(path, "reset", "-q", "--hard", "HEAD")
             fast_forward = self._is_ancestor(side_head, current)
             if fast_forward:
-                self._in(path, "merge", "-q", "--ff-only", current)
+                self.git(path, "merge", "-q", "--ff-only", current)
             else:
                 status, _, err = _git_status(path, "cherry-pick", current, identity=self.identity)
                 if status != 0:
-                    conflicts = self._in(path, "diff", "--name-only", "--diff-filter=U").split()
-                    self._in(path, "reset", "-q", "--hard", "HEAD")
+                    conflicts = self.git(path, "diff", "--name-only", "--diff-filter=U").split()
+                    self.git(path, "reset", "-q", "--hard", "HEAD")
                     if conflicts:
                         raise CandidateConflict(f"Candidate {name} does not apply on {side}: conflicts in "
                                                 f"{', '.join(conflicts)}.", "Redo the candidate on that branch's "
@@ -608,7 +635,7 @@ class RunWorkspace:
                         raise GitCommandFailed(["git", "cherry-pick", current], status, err)
                     return PushResult(candidate=name, branch=side, sha=None, source_sha=current, created=False,
                                       empty=True)
-            sha = self._in(path, "rev-parse", "HEAD")
+            sha = self.git(path, "rev-parse", "HEAD")
             if not fast_forward:
                 self.made_shas.append(sha)
             removed = remove_candidate and self._remove_candidate(name) is not None
@@ -617,7 +644,7 @@ class RunWorkspace:
 
     def cleanup(self) -> CleanupResult:
         """Remove every worktree of this run (their branches stay)."""
-        with self._locked():
+        with self.locked():
             removed = []
             for worktree in _worktrees(self.repo.root):
                 if _under(worktree.path, self.root):
@@ -639,7 +666,7 @@ class RunWorkspace:
     def _create(self, base: str) -> RunInfo:
         if base.startswith("-"):
             raise ValueError(f"base {base!r} is not a revision")
-        with self._locked():
+        with self.locked():
             status, base_sha, _ = _git_status(self.repo.root, "rev-parse", "--verify", "-q", f"{base}^{{commit}}")
             if status != 0:
                 raise GitOpsError(f"Base {base!r} is not a commit in {self.repo.root}.",
@@ -650,10 +677,10 @@ class RunWorkspace:
                 raise UnsafeRepoState(UnsafeReason.workspace_location,
                                       f"Workspace {self.root} belongs to the repository at {recorded.get('repo')}.",
                                       "Use another workspace directory for this repository.")
-            head = self._ref_sha(self.branch)
+            head = self.ref_sha(self.branch)
             created_branch = head is None
             if head is None:
-                self._update_ref(self.branch, base_sha, "", f"create run from {base}")
+                self.update_ref(self.branch, base_sha, "", f"create run from {base}")
                 head = base_sha
             elif not self._is_ancestor(base_sha, head):
                 hint = f" It was started from {recorded['base_sha'][:12]}." if recorded.get("base_sha") else ""
@@ -672,7 +699,7 @@ class RunWorkspace:
                            created_worktree=created_worktree, notes=list(self.repo.notes))
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def locked(self) -> Iterator[None]:
         """Exclusive per-workspace lock (re-entrant in this object); recovers stale git locks on entry."""
         if self._lock_depth:
             self._lock_depth += 1
@@ -721,7 +748,7 @@ class RunWorkspace:
             if any((admin / marker).exists() for marker in _IN_OUR_WORKTREE_STATE):
                 if (admin / "sequencer").exists():
                     _git_status(worktree.path, "cherry-pick", "--quit", identity=self.identity)
-                self._in(worktree.path, "reset", "-q", "--merge")
+                self.git(worktree.path, "reset", "-q", "--merge")
                 self.recovered.append(f"ended an interrupted merge/cherry-pick in {worktree.path}")
         heads = self.repo.common_dir / "refs" / "heads" / BRANCH_PREFIX.rstrip("/")
         for lock in [heads / f"{self.run_id}.lock", *heads.glob(f"{self.run_id}.*.lock"),
@@ -811,17 +838,17 @@ class RunWorkspace:
                 self._remove_worktree(worktree)
         if path.exists():
             self._remove_leftover(path)
-        current = self._ref_sha(branch)
+        current = self.ref_sha(branch)
         if current is not None:
-            self._update_ref(branch, None, current, f"remove candidate {name}")
+            self.update_ref(branch, None, current, f"remove candidate {name}")
         self._state_file(name).unlink(missing_ok=True)
         return current
 
     def _sync_run_worktree(self) -> None:
         if (self.worktree / ".git").exists():
-            self._in(self.worktree, "reset", "-q", "--hard", "HEAD")
+            self.git(self.worktree, "reset", "-q", "--hard", "HEAD")
 
-    def _refuse_foreign(self, name: str, commits: list[_Commit], *, single: bool = False) -> None:
+    def _refuse_foreign(self, name: str, commits: list[Commit], *, single: bool = False) -> None:
         foreign = [c.sha[:12] for c in commits if c.candidate() != name]
         if foreign:
             raise UnsafeRepoState(UnsafeReason.foreign_commit,
@@ -832,9 +859,9 @@ class RunWorkspace:
             raise NothingToAccept(f"Candidate {name} has {len(commits)} commits on top of its base, not one.",
                                   "Call commit_candidate, which leaves exactly one commit.")
 
-    def _find_in_run(self, name: str) -> _Commit | None:
+    def _find_in_run(self, name: str) -> Commit | None:
         recorded = json.loads((self.root / "git-state" / "run.json").read_text())
-        return next((c for c in _commits(self.repo.root, self._run_head(), "--not", recorded["base_sha"])
+        return next((c for c in commits(self.repo.root, self._run_head(), "--not", recorded["base_sha"])
                      if c.candidate() == name), None)
 
     def _not_found(self, name: str) -> CandidateNotFound:
@@ -842,22 +869,22 @@ class RunWorkspace:
                                  f"{candidate_branch_name(self.run_id, name)} does not exist).",
                                  f"Call start_candidate({name!r}) first.")
 
-    def _update_ref(self, branch: str, new: str | None, old: str, why: str) -> None:
+    def update_ref(self, branch: str, new: str | None, old: str, why: str) -> None:
         """Compare-and-swap a branch we own: create (old=""), move, or delete (new=None)."""
         if not branch.startswith(BRANCH_PREFIX):
             raise AssertionError(f"refusing to write {branch}: only {BRANCH_PREFIX}* refs are TrainBridge's")
         args = ["-d", f"refs/heads/{branch}", old] if new is None else [f"refs/heads/{branch}", new, old]
         _git(self.repo.root, "update-ref", "-m", f"trainbridge: {why}", *args, identity=self.identity)
 
-    def _in(self, cwd: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    def git(self, cwd: Path, *args: str, env: dict[str, str] | None = None) -> str:
+        """Run git in `cwd` (one of this run's worktrees or the repository) as this run's identity."""
         return _git(cwd, *args, identity=self.identity, env=env)
 
-    def _ref_sha(self, branch: str) -> str | None:
-        status, out, _ = _git_status(self.repo.root, "rev-parse", "--verify", "-q", f"refs/heads/{branch}")
-        return out if status == 0 else None
+    def ref_sha(self, branch: str) -> str | None:
+        return ref_sha(self.repo.root, branch)
 
     def _run_head(self) -> str:
-        head = self._ref_sha(self.branch)
+        head = self.ref_sha(self.branch)
         if head is None:
             raise GitOpsError(f"Run branch {self.branch} does not exist.", "Call RunWorkspace.create_run first.")
         return head

@@ -683,14 +683,13 @@ def learned_recipe(candidate: Candidate, intent: Intent, *, repo_root: str | Pat
     placeholders, anchored on the old body's largest expression. Anything else is refused. The
     recipe is checked to reproduce the accepted patch on the original file.
     """
-    import git
+    from trainbridge.tools.git_ops import run_git
 
     if len(candidate.files) != 1 or not candidate.files[0].endswith(".py"):
         raise LearnedRecipeError(f"candidate {candidate.name} changes {candidate.files}; a recipe covers one Python file")
     file = candidate.files[0]
-    with git.Repo(repo_root) as repo:
-        old_text, new_text = ((repo.commit(sha).tree / file).data_stream.read().decode("utf-8")
-                              for sha in (candidate.base_sha, candidate.sha))
+    old_text, new_text = (run_git(Path(repo_root), "cat-file", "blob", f"{sha}:{file}", strip=False)
+                          for sha in (candidate.base_sha, candidate.sha))
     old_mod, new_mod = cst.parse_module(old_text), cst.parse_module(new_text)
     added = sorted({new_mod.code_for_node(s).strip() for s in new_mod.body if _is_import(s)}
                    - {old_mod.code_for_node(s).strip() for s in old_mod.body if _is_import(s)})

@@ -1,0 +1,38 @@
+"""What the user typed, resolved and checked before anything is created: repositories, bundled
+examples, durations."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import typer
+
+
+def examples_dir() -> Path:
+    """The bundled example workloads (installed with the package)."""
+    import trainbridge
+
+    return Path(trainbridge.__file__).resolve().parent / "examples"
+
+
+def resolve_repo(target: str) -> Path:
+    """A path to a repository, or the name of a bundled example (e.g. `llama_pretrain`)."""
+    path = Path(target)
+    if path.exists():
+        return path.resolve()
+    bundled = examples_dir() / target
+    if bundled.is_dir():
+        return bundled
+    names = sorted(p.name for p in examples_dir().iterdir() if (p / "trainbridge.toml").is_file()) if examples_dir().is_dir() else []
+    raise typer.BadParameter(f"{target!r} is neither a directory nor a bundled example (bundled: {', '.join(names) or 'none'})")
+
+
+def parse_duration(text: str) -> float:
+    """'8h', '90m', '45s', '1h30m' or plain seconds."""
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", text)
+    if not parts or "".join(a + b for a, b in parts) != text:
+        raise typer.BadParameter(f"{text!r} is not a duration like 8h, 90m, 1h30m or 3600")
+    return sum(float(value) * {"h": 3600, "m": 60, "s": 1}[unit] for value, unit in parts)
