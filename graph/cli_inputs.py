@@ -4,9 +4,12 @@ examples, durations."""
 from __future__ import annotations
 
 import re
+from datetime import datetime
 from pathlib import Path
 
 import typer
+
+from trainbridge.tools.git_names import check_run_id, valid_run_id  # noqa: F401 - valid_run_id: the CLI's callback
 
 
 def examples_dir() -> Path:
@@ -36,3 +39,11 @@ def parse_duration(text: str) -> float:
     if not parts or "".join(a + b for a, b in parts) != text:
         raise typer.BadParameter(f"{text!r} is not a duration like 8h, 90m, 1h30m or 3600")
     return sum(float(value) * {"h": 3600, "m": 60, "s": 1}[unit] for value, unit in parts)
+
+
+def default_run_id(stem: str, when: datetime | None = None) -> str:
+    """`<stem>-<timestamp>`, with whatever the rule does not allow in `stem` (dots, spaces, a leading
+    '-') made into '-', and cut so the id stays within 64 characters."""
+    stamp = f"{when or datetime.now():%Y%m%d-%H%M%S}"
+    clean = re.sub(r"[^A-Za-z0-9_-]+", "-", stem).strip("-_")[: 64 - len(stamp) - 1].rstrip("-_")
+    return check_run_id(f"{clean}-{stamp}" if clean else f"run-{stamp}")

@@ -6,14 +6,13 @@ import json
 import shutil
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from trainbridge.graph.cli_display import ask_decision, print_outcome, say as _say, show_review
-from trainbridge.graph.cli_inputs import examples_dir, parse_duration
+from trainbridge.graph.cli_inputs import default_run_id, examples_dir, parse_duration, valid_run_id
 from trainbridge.graph.cli_server import review_on_server, run_on_server, served_run_status
 from trainbridge.graph.terminal import console
 from trainbridge.graph.terminal import error as _error
@@ -35,7 +34,7 @@ def run(
     no_reference: bool = typer.Option(False, "--no-reference", help="Skip the torch.compile reference (faster analysis, coarser ranking)."),
     kb_url: Optional[str] = typer.Option(None, "--kb-url", help="Shared knowledge base on a Chroma server, e.g. http://kb-host:8000."),
     kb_dir: Optional[Path] = typer.Option(None, "--kb-dir", help="Embedded knowledge base directory (default: per user)."),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="Name of the run (default: <repo>-<timestamp>)."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", callback=valid_run_id, help="Name of the run: 1-64 letters, digits, '_' or '-', starting with a letter or digit (default: <repo>-<timestamp>)."),
     min_gain: float = typer.Option(0.01, help="Smallest step-time gain to accept (0.01 = 1%)."),
     rounds: int = typer.Option(10, help="Interleaved A/B rounds per candidate in the gate (twice as many when the first look is inconclusive but shows a gain or loss of at least the minimum gain)."),
     final_rounds: int = typer.Option(6, help="Interleaved rounds of the closing comparison: original, final head and torch.compile of the original (0: a single plain measurement)."),
@@ -51,7 +50,7 @@ def run(
     from trainbridge.graph.state import RunConfig
 
     repo = repo.resolve()
-    name = run_id or f"{repo.name}-{datetime.now():%Y%m%d-%H%M%S}".replace(".", "-")
+    name = run_id or default_run_id(repo.name)
     try:
         config = RunConfig(repo=str(repo), run_id=name, target=target, budget_s=parse_duration(budget), max_candidates=max_candidates,
                            review=review, reference_pack=str(reference.resolve()) if reference else None,
@@ -63,6 +62,13 @@ def run(
     if server:
         run_on_server(server, config)
         return
+    from trainbridge.graph.preflight import RunInputError, check_run_input
+
+    try:  # before anything of the run exists: a bad repository leaves no run record behind
+        check_run_input(config)
+    except RunInputError as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
     _say(f"run {name} on {repo} (target {target}); resume with: trainbridge resume {name}")
     try:
         outcome = start_run(config, say=_say)
@@ -86,7 +92,7 @@ def _stopping_errors() -> tuple[type[BaseException], ...]:
     return (AnalysisError, LLMConfigError, RunStopped, UnsafeRepoState, WorkloadConfigError)
 
 
-def resume(run_id: str = typer.Argument(..., help="The run to continue.")) -> None:
+def resume(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run to continue.")) -> None:
     """Continue a run that was stopped or killed, from its last checkpoint."""
     from trainbridge.graph.app import RunError, resume_run
 
@@ -101,7 +107,7 @@ def resume(run_id: str = typer.Argument(..., help="The run to continue.")) -> No
     _report_outcome(outcome)
 
 
-def status(run_id: Optional[str] = typer.Argument(None, help="A run (default: list all runs).")) -> None:
+def status(run_id: Optional[str] = typer.Argument(None, callback=valid_run_id, help="A run (default: list all runs).")) -> None:
     """Where a run stands: current node, intents done/left, candidates, accepted speedup so far (a served run: asked of its server)."""
     from trainbridge.graph.app import RunError, run_status, summary_line
     from trainbridge.graph.state import runs_root
@@ -138,7 +144,7 @@ def status(run_id: Optional[str] = typer.Argument(None, help="A run (default: li
 
 
 def review_cmd(
-    run_id: str = typer.Argument(..., help="A run paused for review (with --server: its run id or its server thread id)."),
+    run_id: str = typer.Argument(..., callback=valid_run_id, help="A run paused for review (with --server: its run id or its server thread id)."),
     action: Optional[str] = typer.Option(None, "--action", help="approve, reject or edit (default: ask)."),
     reason: Optional[str] = typer.Option(None, "--reason", help="Why it is rejected (reaches the coder and the knowledge base)."),
     patch_file: Optional[Path] = typer.Option(None, "--patch", help="For edit: the replacement patch (default: open $EDITOR on the current one)."),
@@ -171,7 +177,7 @@ def review_cmd(
     _report_outcome(outcome)
 
 
-def report_cmd(run_id: str = typer.Argument(..., help="The run.")) -> None:
+def report_cmd(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run.")) -> None:
     """Print where a finished run's report is, and its markdown."""
     from trainbridge.graph.app import RunError, run_status
 
@@ -199,8 +205,12 @@ def demo(
     target: str = typer.Option("cpu", "--target", "-t", help="cpu (measured) or npu (emulated here: numerics only)."),
     rounds: int = typer.Option(8, help="Interleaved A/B rounds per candidate."),
     max_candidates: int = typer.Option(12, help="Stop after this many candidates."),
+    kb_dir: Optional[Path] = typer.Option(None, "--kb-dir", help="Knowledge base to use and record the demo's verdicts in (default: a fresh one beside the demo repository, so your own knowledge base is left alone)."),
+    kb_url: Optional[str] = typer.Option(None, "--kb-url", help="A Chroma server's knowledge base instead (e.g. http://kb-host:8000)."),
 ) -> None:
-    """Copy a bundled example into a temporary git repository and run the whole loop on it; print where the branch and report are."""
+    """Copy a bundled example into a temporary git repository and run the whole loop on it; print where the branch and report are.
+
+    The demo records its verdicts in a knowledge base of its own unless --kb-dir or --kb-url says otherwise."""
     from trainbridge.graph.app import start_run
     from trainbridge.graph.state import RunConfig
     from trainbridge.tools.git_ops import GitIdentity, run_git
@@ -209,21 +219,24 @@ def demo(
     if not (source / "trainbridge.toml").is_file():
         _error(f"no bundled example {example!r}")
         raise typer.Exit(2)
-    repo = Path(tempfile.mkdtemp(prefix=f"trainbridge-demo-{example}-")) / example
+    folder = Path(tempfile.mkdtemp(prefix=f"trainbridge-demo-{example}-"))
+    repo = folder / example
     shutil.copytree(source, repo, ignore=shutil.ignore_patterns("__pycache__"))
     demo_author = GitIdentity(name="TrainBridge demo", email="demo@localhost")
     for args in (("init", "-q"), ("add", "-A"), ("commit", "-qm", f"{example} as shipped")):
         run_git(repo, *args, identity=demo_author)
-    run_id = f"demo-{example}-{datetime.now():%Y%m%d-%H%M%S}".replace("_", "-")
+    run_id = default_run_id(f"demo-{example}".replace("_", "-"))
     started = time.monotonic()
     _say(f"demo repository: {repo}")
+    kb = {"kb_url": kb_url} if kb_url else {"kb_dir": str((kb_dir or folder / "kb").expanduser().resolve())}
+    _say(f"demo knowledge base: {kb.get('kb_url') or kb['kb_dir']}")
     outcome = start_run(RunConfig(repo=str(repo), run_id=run_id, target=target, gate_rounds=rounds, max_candidates=max_candidates,
-                                  budget_s=DEMO_BUDGET_S), say=_say)
+                                  budget_s=DEMO_BUDGET_S, **kb), say=_say)
     _report_outcome(outcome)
     console.print(f"demo finished in {time.monotonic() - started:.0f} s; repository {repo}, branch {outcome.state.get('run_branch')}", soft_wrap=True)
 
 
-def verify(run_id: str = typer.Argument(..., help="A run whose NPU candidates wait on trainbridge/<run-id>.pending-npu.")) -> None:
+def verify(run_id: str = typer.Argument(..., callback=valid_run_id, help="A run whose NPU candidates wait on trainbridge/<run-id>.pending-npu.")) -> None:
     """On an NPU host: replay the pending NPU candidates through the full gate (numerics + timing) and fast-forward the accepted ones onto the run branch."""
     from trainbridge.graph.app import RunError
     from trainbridge.graph.verify import VerifyError, VerifyRefused, verify_run

@@ -1,6 +1,6 @@
 """The knowledge base: recipes and outcomes in Chroma, embedded on disk or on a team server.
 
-    kb = KnowledgeBase()                              # $TRAINBRIDGE_KB_DIR, else XDG data dir
+    kb = KnowledgeBase()                              # $TRAINBRIDGE_KB_DIR, $TRAINBRIDGE_HOME/kb, else XDG data dir
     kb = KnowledgeBase("/data/kb")                    # a given directory
     kb = KnowledgeBase.connect("http://kb-host:8000") # a Chroma server shared by a team
 
@@ -74,10 +74,14 @@ class KBStats(_Model):
 
 
 def default_kb_dir() -> Path:
-    """$TRAINBRIDGE_KB_DIR, else $XDG_DATA_HOME/trainbridge/kb, else ~/.local/share/trainbridge/kb."""
+    """$TRAINBRIDGE_KB_DIR, else $TRAINBRIDGE_HOME/kb (beside its runs/), else $XDG_DATA_HOME/trainbridge/kb,
+    else ~/.local/share/trainbridge/kb."""
     env = os.environ.get("TRAINBRIDGE_KB_DIR")
     if env:
         return Path(env).expanduser()
+    home = os.environ.get("TRAINBRIDGE_HOME")
+    if home:
+        return Path(home).expanduser() / "kb"
     xdg = os.environ.get("XDG_DATA_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share"
     return base / "trainbridge" / "kb"

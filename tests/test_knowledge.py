@@ -259,10 +259,13 @@ def test_embedding_function_implements_chroma_protocol():
 
 def test_default_dir_reads_the_environment_when_called_not_at_import(monkeypatch, tmp_path):
     monkeypatch.delenv("TRAINBRIDGE_KB_DIR", raising=False)
+    monkeypatch.delenv("TRAINBRIDGE_HOME", raising=False)
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
     assert default_kb_dir() == tmp_path / "xdg" / "trainbridge" / "kb"
     monkeypatch.delenv("XDG_DATA_HOME")
     assert default_kb_dir() == Path.home() / ".local" / "share" / "trainbridge" / "kb"
+    monkeypatch.setenv("TRAINBRIDGE_HOME", str(tmp_path / "home"))  # the knowledge base lives beside the runs
+    assert default_kb_dir() == tmp_path / "home" / "kb"
     monkeypatch.setenv("TRAINBRIDGE_KB_DIR", str(tmp_path / "team"))
     assert default_kb_dir() == tmp_path / "team"
     with KnowledgeBase() as base:

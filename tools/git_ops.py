@@ -9,11 +9,7 @@ current branch, other branches and config stay byte-identical. TrainBridge only
 - adds linked worktrees under a workspace directory the caller gives, outside the user's tree
   (git keeps their admin files in ``.git/worktrees/``).
 
-Branch names. Git stores refs as paths, so ``trainbridge/<run>`` and ``trainbridge/<run>/cand/x``
-cannot both exist (a file and a folder of the same name). Run ids therefore contain no dot and
-everything a run owns hangs off ``trainbridge/<run>.``: the run branch ``trainbridge/<run>``,
-candidates ``trainbridge/<run>.cand/<name>``, side branches such as
-``trainbridge/<run>.pending-npu``. Use `run_branch_name` and friends rather than spelling them.
+Branch names and the run-id rule: tools/git_names.py (re-exported here).
 
 Every git call is an argument list through GitPython, with a fixed identity in the environment
 and ``-c`` (CI has no global identity; the user's config is never written), hooks off, commit
@@ -58,12 +54,18 @@ import git
 from pydantic import Field
 
 from trainbridge.records import Record
+from trainbridge.tools.git_names import (  # noqa: F401 - re-exported: the git layer's names
+    BRANCH_PREFIX,
+    RUN_ID_RULE,
+    TRAILER_CANDIDATE,
+    TRAILER_RUN,
+    candidate_branch_name,
+    check_name,
+    check_run_id,
+    run_branch_name,
+    side_branch_name,
+)
 
-BRANCH_PREFIX = "trainbridge/"
-TRAILER_CANDIDATE = "TrainBridge-Candidate"
-TRAILER_RUN = "TrainBridge-Run"
-_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 # Variables that would point our git commands at another repository, index or object store.
 _LOCATION_VARS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY",
                   "GIT_COMMON_DIR", "GIT_NAMESPACE")
@@ -76,34 +78,6 @@ _SAFE_CONFIG = ("-c", "gc.auto=0", "-c", "maintenance.auto=false", "-c", "core.h
                 "-c", "diff.external=", "-c", "color.diff=false", "-c", "color.status=false",
                 "-c", "color.branch=false", "-c", "core.pager=cat", "-c", "tag.gpgSign=false")
 _IN_OUR_WORKTREE_STATE = ("MERGE_HEAD", "CHERRY_PICK_HEAD", "sequencer")  # what our own commands can leave
-
-
-def run_branch_name(run_id: str) -> str:
-    return f"{BRANCH_PREFIX}{_check_run_id(run_id)}"
-
-
-def candidate_branch_name(run_id: str, name: str) -> str:
-    return f"{run_branch_name(run_id)}.cand/{_check_name(name, 'candidate name')}"
-
-
-def side_branch_name(run_id: str, suffix: str) -> str:
-    if _check_name(suffix, "branch suffix") == "cand":
-        raise ValueError("branch suffix 'cand' is reserved for candidate branches; pick another")
-    return f"{run_branch_name(run_id)}.{suffix}"
-
-
-def _check_run_id(run_id: str) -> str:
-    if not _RUN_ID.fullmatch(run_id):
-        raise ValueError(f"run id {run_id!r} must be 1-64 letters, digits, '_' or '-' (no dots or slashes), "
-                         "starting with a letter or digit")
-    return run_id
-
-
-def _check_name(name: str, what: str) -> str:
-    if not _NAME.fullmatch(name) or ".." in name or name.endswith((".", ".lock")):
-        raise ValueError(f"{what} {name!r} must be 1-100 letters, digits, '.', '_' or '-', start with a letter "
-                         "or digit, and not contain '..' or end in '.' or '.lock'")
-    return name
 
 
 # ---------------------------------------------------------------- errors
@@ -436,7 +410,7 @@ class RunWorkspace:
 
     def __init__(self, repo: UserRepo, run_id: str, workspace_root: Path, *, identity: GitIdentity | None = None,
                  stale_lock_age_s: float = 5.0, lock_timeout_s: float = 10.0) -> None:
-        self.repo, self.run_id = repo, _check_run_id(run_id)
+        self.repo, self.run_id = repo, check_run_id(run_id)
         self.root = Path(os.path.realpath(Path(workspace_root).expanduser()))
         if _under(self.root, repo.root) or _under(repo.root, self.root) or _under(self.root, repo.common_dir):
             raise UnsafeRepoState(UnsafeReason.workspace_location,
