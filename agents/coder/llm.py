@@ -7,7 +7,9 @@ caching, skipped work or process access, adds only allowed imports, compiles, an
 module still imports in a sandbox child (scrubbed environment, own process group, memory cap, no
 network where the host allows). A failed check goes back to the model as the next message, up to
 `LLMConfig.max_attempts` replies; then the candidate branch is deleted and a `CoderRefusal` lists
-every failure. User code is never imported in this process.
+every failure. A request without a reply (rate limits, server errors: retried with backoff inside
+llm_client.py) ends the turn and uses up no patch attempt. User code is never imported in this
+process.
 
 `learned_recipe` turns an accepted LLM patch into a knowledge-base recipe (provenance "learned").
 """
@@ -35,7 +37,8 @@ from pydantic import Field
 
 from trainbridge.agents.coder import prompts
 from trainbridge.agents.coder.candidate import Candidate, CoderRefusal, candidate_name
-from trainbridge.agents.coder.llm_config import ENV_API_KEY, ENV_BASE_URL, ENV_FALLBACK_API_KEY, ENV_MODEL, LLMConfig
+from trainbridge.agents.coder.llm_client import RequestFailed, ask, make_chat
+from trainbridge.agents.coder.llm_config import ENV_BASE_URL, ENV_MODEL, LLMConfig
 from trainbridge.knowledge.schema import MatchSpec, Numerics, Provenance, Recipe, Target
 from trainbridge.records import Intent, Record, SourceSpan
 from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory, network_isolation, scrubbed_env
@@ -60,10 +63,6 @@ class PatchRejected(Exception):
     def __init__(self, stage: Stage, message: str, close: list[str] | None = None):
         super().__init__(message)
         self.stage, self.message, self.close = stage, message, close or []
-
-
-class _Fatal(Exception):
-    """A request failure that retrying cannot fix (bad key, unknown model)."""
 
 
 # --- parsing the reply ---------------------------------------------------------------------------
@@ -446,45 +445,6 @@ def build_messages(intent: Intent, sources: dict[str, str], spans: Sequence[Sour
     return [SystemMessage(system), HumanMessage(user)]
 
 
-# --- talking to the model ------------------------------------------------------------------------
-
-
-def make_chat(config: LLMConfig) -> Any:
-    """The chat client for `config` (only ever built when an LLM is configured)."""
-    from langchain_openai import ChatOpenAI
-
-    options: dict[str, Any] = {"model": config.model, "base_url": config.base_url, "api_key": config.key_value(),
-                               "timeout": config.timeout, "max_retries": 0}  # our loop decides about retries
-    if config.temperature is not None:
-        options["temperature"] = config.temperature
-    return ChatOpenAI(**options)
-
-
-def _ask(chat: Any, messages: list[Any], config: LLMConfig) -> str:
-    import openai
-
-    try:
-        reply = chat.invoke(messages)
-    except openai.APIStatusError as exc:
-        detail = f"HTTP {exc.status_code} from {config.base_url}: {str(exc.message)[:300]}"
-        if exc.status_code in (401, 403):
-            raise _Fatal(f"{detail}. Check the API key ({ENV_API_KEY} or {ENV_FALLBACK_API_KEY}).") from None
-        if exc.status_code in (400, 404, 422):
-            raise _Fatal(f"{detail}. Check the model name {config.model!r} and that the endpoint is OpenAI-compatible.") from None
-        raise PatchRejected("request", detail) from None
-    except openai.APIError as exc:  # connection refused, timeout, malformed response
-        root, chain = exc, {id(exc)}
-        while (root.__cause__ or root.__context__) is not None and id(root.__cause__ or root.__context__) not in chain:
-            root = root.__cause__ or root.__context__
-            chain.add(id(root))
-        cause = f" (cause: {type(root).__name__}: {root})" if root is not exc else ""
-        raise PatchRejected("request", f"request to {config.base_url} failed: {type(exc).__name__}: {exc}{cause}") from None
-    content = reply.content
-    if isinstance(content, list):
-        content = "".join(part if isinstance(part, str) else str(part.get("text", "")) for part in content)
-    return str(content)
-
-
 # --- the coder -----------------------------------------------------------------------------------
 
 
@@ -522,13 +482,10 @@ def _attempts(workspace, intent: Intent, config: LLMConfig, name: str, sources: 
     baseline_imports: dict[str, str | None] = {}
     for number in range(1, config.max_attempts + 1):
         try:
-            reply = _ask(chat, messages, config)
-        except _Fatal as fatal:
-            failures.append(AttemptFailure(attempt=number, stage="request", message=str(fatal)))
+            reply = ask(chat, messages, config)  # transport retries happen in there, not here
+        except RequestFailed as failed:
+            failures.append(AttemptFailure(attempt=number, stage="request", message=failed.message))
             break
-        except PatchRejected as rejected:
-            failures.append(AttemptFailure(attempt=number, stage=rejected.stage, message=rejected.message))
-            continue
         try:
             patched, located, imports = _check_patch(reply, sources, spans, target, protected_names)
             cand = workspace.start_candidate(name)  # a clean worktree at the run head for every attempt
