@@ -1,9 +1,11 @@
 """A run's input checked before anything of the run exists (no run record, checkpoint or branch):
-the repository, its committed `trainbridge.toml`, the evidence pack. Every message names the
+the repository, its committed `trainbridge.toml`, the evidence pack, the LLM settings. Every message names the
 user's own paths (never a copy in a run's worktree) and says what to do."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from trainbridge.graph.state import RunConfig
@@ -13,8 +15,10 @@ class RunInputError(ValueError):
     """The run's input is unusable; the message names the user's path and the fix."""
 
 
-def check_run_input(config: RunConfig) -> list[str]:
-    """Raise RunInputError for input the run would fail on later; return notes worth showing."""
+def check_run_input(config: RunConfig, env: Mapping[str, str] | None = None) -> list[str]:
+    """Raise RunInputError for input the run would fail on later; return notes worth showing. `env`:
+    where the LLM settings are read (default os.environ, as the run reads them)."""
+    from trainbridge.agents.coder.llm_config import LLMConfig, LLMConfigError
     from trainbridge.sandbox.workload import CONFIG_FILE, WorkloadConfigError, load_workload
     from trainbridge.tools.git_ops import GitOpsError, open_repo, run_git_status
 
@@ -48,4 +52,8 @@ def check_run_input(config: RunConfig) -> list[str]:
                             "`trainbridge collect-evidence`, or leave --reference out")
     if config.extra_recipe_dir and not Path(config.extra_recipe_dir).is_dir():
         raise RunInputError(f"recipe folder {config.extra_recipe_dir} does not exist")
+    try:
+        LLMConfig.from_env(env if env is not None else os.environ)  # half-set LLM variables fail here, not mid-run
+    except LLMConfigError as exc:
+        raise RunInputError(str(exc)) from None
     return list(user.notes)

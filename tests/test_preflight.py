@@ -60,7 +60,7 @@ def test_a_malformed_trainbridge_toml_is_reported_at_the_users_file(tmp_path):
 
 def test_the_committed_trainbridge_toml_is_what_the_run_uses(tmp_path):
     repo = _repo(tmp_path)
-    assert check_run_input(RunConfig(repo=str(repo), run_id="r")) == []
+    assert check_run_input(RunConfig(repo=str(repo), run_id="r"), env={}) == []
     toml = repo / "trainbridge.toml"
     toml.write_text(toml.read_text() + "\n# tuned, not committed\n")
     with pytest.raises(RunInputError, match="has uncommitted changes"):
@@ -71,3 +71,10 @@ def test_the_committed_trainbridge_toml_is_what_the_run_uses(tmp_path):
         check_run_input(RunConfig(repo=str(repo), run_id="r"))
     with pytest.raises(RunInputError, match=f"evidence pack {tmp_path / 'none.tar.gz'} does not exist"):
         check_run_input(RunConfig(repo=str(_repo(tmp_path / "b")), run_id="r", reference_pack=str(tmp_path / "none.tar.gz")))
+
+
+def test_half_set_llm_settings_are_refused_before_the_run(tmp_path):
+    repo = _repo(tmp_path)
+    with pytest.raises(RunInputError, match="TRAINBRIDGE_LLM_MODEL"):
+        check_run_input(RunConfig(repo=str(repo), run_id="r"), env={"TRAINBRIDGE_LLM_BASE_URL": "http://127.0.0.1:9/v1"})
+    assert check_run_input(RunConfig(repo=str(repo), run_id="r"), env={}) == []
