@@ -85,7 +85,7 @@ def _stopping_errors() -> tuple[type[BaseException], ...]:
     """Errors that stop a run with a message the user can act on (no traceback)."""
     from trainbridge.agents.analyst.analyze import AnalysisError
     from trainbridge.agents.coder.llm_config import LLMConfigError
-    from trainbridge.graph.nodes import RunStopped
+    from trainbridge.graph.stops import RunStopped
     from trainbridge.sandbox.workload import WorkloadConfigError
     from trainbridge.tools.git_ops import UnsafeRepoState
 

@@ -22,6 +22,7 @@ from trainbridge.graph.context import RunContext
 from trainbridge.graph.landed import added_lines, is_own_rewrite
 from trainbridge.graph.review import REVIEW_SCHEMA_VERSION, ReviewDecision, review_payload
 from trainbridge.graph.state import RunState
+from trainbridge.graph.stops import NO_INTENTS, RunStopped, limit_reached, stop_reason
 from trainbridge.graph.views import detached_view, remove_view
 from trainbridge.knowledge.schema import Outcome
 from trainbridge.records import Intent
@@ -29,10 +30,6 @@ from trainbridge.sandbox.workload import Workload, load_workload
 
 
 PARTS_KEY = "_parts"  # a node's sub-phase seconds; builder.timed moves them into `phase_times`
-
-
-class RunStopped(RuntimeError):
-    """The run cannot continue (unsafe repository, baseline fails); the message says why."""
 
 
 # --- prepare -------------------------------------------------------------------------------------
@@ -114,7 +111,7 @@ def retrieval(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
                            target=ctx.config.target, allowed=ctx.config.recipe_ids)
     if choice is None:
         return {"node": "retrieval", "current_intent": None, "recipe_queue": [],
-                "stop_reason": state.get("stop_reason") or "no intents left"}
+                "stop_reason": state.get("stop_reason") or NO_INTENTS.message}
     ctx.say(f"intent {choice.intent.category} at {', '.join(str(s) for s in choice.intent.spans)}: {len(choice.queue)} "
             f"{'last-resort ' if choice.last_resort else ''}recipe(s)")
     return {"node": "retrieval", "current_intent": choice.data, "recipe_queue": choice.queue, "candidate": None,
@@ -273,13 +270,8 @@ def decide(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
 
 
 def route_after_decide(state: RunState, runtime: Runtime[RunContext]) -> Literal["coder", "retrieval", "analyst", "report"]:
-    config = runtime.context.config
     last = (state.get("verdicts") or [{}])[-1]
-    if not budget_allows_another(state, config):
-        return "report"
-    if (state.get("candidates_tried") or 0) >= config.max_candidates:
-        return "report"
-    if (state.get("low_gain_rounds") or 0) >= config.low_gain_rounds_to_stop:
+    if limit_reached(state, runtime.context.config) is not None:
         return "report"
     current = (state.get("current_intent") or {}).get("id")
     landed = last.get("accepted") or last.get("reason") == "speed_unmeasured_numerics_ok"
@@ -288,32 +280,6 @@ def route_after_decide(state: RunState, runtime: Runtime[RunContext]) -> Literal
     if state.get("recipe_queue") and state.get("current_intent") and state["current_intent"]["id"] not in state.get("done_intents", []):
         return "coder"
     return "retrieval"
-
-
-def budget_allows_another(state: RunState, config) -> bool:
-    """Time left for one more candidate as long as the typical one so far (the median gate time), and
-    then for the final comparison (its children counted against a gate's), so a run ends near its
-    budget rather than one gate past it."""
-    elapsed = time.time() - (state.get("started_at") or time.time())
-    gates = sorted(t["wall_s"] for t in state.get("phase_times") or [] if t["node"] == "profiler")
-    typical = gates[len(gates) // 2] if gates else 0.0
-    arms = 3 if config.compile_reference else 2
-    final = typical * (arms * config.final_rounds) / (2 * config.gate_rounds)
-    return elapsed + typical + final <= config.budget_s
-
-
-def stop_reason(state: RunState, config) -> str:
-    """Why the loop stopped (called as the report node starts, before its own measurements)."""
-    if state.get("stop_reason"):  # set by retrieval: nothing left to try
-        return state["stop_reason"]
-    if not budget_allows_another(state, config):
-        elapsed = time.time() - (state.get("started_at") or time.time())
-        return "time budget spent" if elapsed > config.budget_s else "time budget: not enough left for another candidate"
-    if (state.get("candidates_tried") or 0) >= config.max_candidates:
-        return f"candidate limit ({config.max_candidates}) reached"
-    if (state.get("low_gain_rounds") or 0) >= config.low_gain_rounds_to_stop:
-        return f"{config.low_gain_rounds_to_stop} accepted rounds below twice the minimum gain"
-    return "no intents left"
 
 
 # --- report --------------------------------------------------------------------------------------
