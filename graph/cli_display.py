@@ -28,7 +28,7 @@ def print_outcome(name: str, waiting: dict | None, state: dict, finished: bool, 
                   where: str = "", show_report: bool = True) -> bool:
     """A paused or finished run as the CLI shows it (local or served: `where` says on which machine the
     branch and report are). Returns False when the run is neither, for the caller to say what it is."""
-    from trainbridge.graph.app import summary_line
+    from trainbridge.graph.runs import summary_line
 
     if waiting is not None:
         console.print(f"[yellow]paused for review[/] of candidate {waiting.get('candidate')} ({(waiting.get('intent') or {}).get('category')}); "

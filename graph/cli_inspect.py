@@ -41,13 +41,13 @@ def measure(
 
     The step runs in a child process (own process group, memory cap, scrubbed environment, no network where the host allows); times are device-synchronised. Exit code 1 if the run failed.
     """
-    from trainbridge.sandbox.backends import probe
+    from trainbridge.sandbox.backends import availability as backend_availability
     from trainbridge.sandbox.runner import run_workload
     from trainbridge.sandbox.workload import WorkloadConfigError, load_workload
 
     if backend not in BACKENDS:
         raise typer.BadParameter(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}", param_hint="--backend")
-    availability = probe(backend)
+    availability = backend_availability(backend)
     if not availability.available:
         _error(f"backend {backend} is not available: {availability.reason}")
         raise typer.Exit(2)

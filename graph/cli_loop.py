@@ -46,7 +46,7 @@ def run(
     Checkpointed after every step: if the process dies, `trainbridge resume <run-id>` continues without duplicate commits or lost verdicts.
     With --server URL the run is a thread on that LangGraph server: answer its reviews with `trainbridge review --server URL <run-id>`.
     """
-    from trainbridge.graph.app import RunError, start_run
+    from trainbridge.graph.runs import RunError, start_run
     from trainbridge.graph.state import RunConfig
 
     repo = repo.resolve()
@@ -94,7 +94,7 @@ def _stopping_errors() -> tuple[type[BaseException], ...]:
 
 def resume(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run to continue.")) -> None:
     """Continue a run that was stopped or killed, from its last checkpoint."""
-    from trainbridge.graph.app import RunError, resume_run
+    from trainbridge.graph.runs import RunError, resume_run
 
     try:
         outcome = resume_run(run_id, say=_say)
@@ -109,7 +109,7 @@ def resume(run_id: str = typer.Argument(..., callback=valid_run_id, help="The ru
 
 def status(run_id: Optional[str] = typer.Argument(None, callback=valid_run_id, help="A run (default: list all runs).")) -> None:
     """Where a run stands: current node, intents done/left, candidates, accepted speedup so far (a served run: asked of its server)."""
-    from trainbridge.graph.app import RunError, run_status, summary_line
+    from trainbridge.graph.runs import RunError, run_status, summary_line
     from trainbridge.graph.state import runs_root
 
     if run_id is None:
@@ -156,7 +156,7 @@ def review_cmd(
     if server:
         review_on_server(server, run_id, action, reason, patch_file)
         return
-    from trainbridge.graph.app import RunError, answer_review, run_status
+    from trainbridge.graph.runs import RunError, answer_review, run_status
 
     try:
         info = run_status(run_id)
@@ -179,7 +179,7 @@ def review_cmd(
 
 def report_cmd(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run.")) -> None:
     """Print where a finished run's report is, and its markdown."""
-    from trainbridge.graph.app import RunError, run_status
+    from trainbridge.graph.runs import RunError, run_status
 
     try:
         info = served_run_status(run_id) or run_status(run_id)
@@ -211,7 +211,7 @@ def demo(
     """Copy a bundled example into a temporary git repository and run the whole loop on it; print where the branch and report are.
 
     The demo records its verdicts in a knowledge base of its own unless --kb-dir or --kb-url says otherwise."""
-    from trainbridge.graph.app import start_run
+    from trainbridge.graph.runs import start_run
     from trainbridge.graph.state import RunConfig
     from trainbridge.tools.git_ops import GitIdentity, run_git
 
@@ -238,7 +238,7 @@ def demo(
 
 def verify(run_id: str = typer.Argument(..., callback=valid_run_id, help="A run whose NPU candidates wait on trainbridge/<run-id>.pending-npu.")) -> None:
     """On an NPU host: replay the pending NPU candidates through the full gate (numerics + timing) and fast-forward the accepted ones onto the run branch."""
-    from trainbridge.graph.app import RunError
+    from trainbridge.graph.runs import RunError
     from trainbridge.graph.verify import VerifyError, VerifyRefused, verify_run
 
     try:

@@ -186,9 +186,9 @@ def report_served(url: str, outcome) -> None:
 
 
 def served_run_status(run_id: str) -> dict | None:
-    """For `trainbridge status/report` on the server's machine: a served run's status (the shape of app.run_status),
+    """For `trainbridge status/report` on the server's machine: a served run's status (the shape of runs.run_status),
     asked of the server that holds it; None for a run that is not served."""
-    from trainbridge.graph.app import RunError, load_config
+    from trainbridge.graph.runs import RunError, load_config
     from trainbridge.graph.server import served_by
     from trainbridge.graph.server_client import ServerError, connect, thread_outcome
 

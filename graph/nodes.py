@@ -18,14 +18,16 @@ from trainbridge.agents.coder.attempts import coder_turn
 from trainbridge.agents.coder.candidate import Candidate
 from trainbridge.agents.retrieval.choose import choose_intent
 from trainbridge.graph import npu_pending
+from trainbridge.graph.npu_port import port_to_npu
 from trainbridge.graph.context import RunContext
-from trainbridge.graph.landed import added_lines, is_own_rewrite
+from trainbridge.graph.own_rewrites import added_lines, is_own_rewrite
 from trainbridge.graph.review import REVIEW_SCHEMA_VERSION, ReviewDecision, review_payload
 from trainbridge.graph.state import RunState
 from trainbridge.graph.stops import NO_INTENTS, RunStopped, limit_reached, stop_reason
-from trainbridge.graph.views import detached_view, remove_view
+from trainbridge.graph.detached_views import detached_view, remove_view
 from trainbridge.knowledge.schema import Outcome
 from trainbridge.records import Intent
+from trainbridge.sandbox.backends import npu_emulated
 from trainbridge.sandbox.workload import Workload, load_workload
 
 
@@ -42,7 +44,7 @@ def prepare(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     if not state.get("started_at"):
         update["started_at"] = time.time()
     if ctx.config.target == "npu" and not state.get("ported"):
-        update["ported"] = npu_pending.port_to_npu(ctx, workspace)
+        update["ported"] = port_to_npu(ctx, workspace)
     if state.get("baseline_step_s") is None:
         ctx.say("measuring the baseline step")
         started = time.monotonic()
@@ -201,7 +203,7 @@ def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     workspace = ctx.workspace(state["base_sha"])
     recipe = ctx.kb.get_recipe(candidate.recipe_id) if candidate.recipe_id else None
     tolerance = tolerance_for(recipe.numerics, NumericsTolerance) if recipe is not None else None
-    emulated = ctx.config.target == "npu" and npu_pending.emulated_npu(ctx)
+    emulated = ctx.config.target == "npu" and npu_emulated()
     ctx.say(f"gate: {candidate.name} ({'numerics only: no NPU here' if emulated else f'{ctx.config.gate_rounds} interleaved rounds'})")
     verdict = run_gate(load_workload(workspace.worktree), load_workload(Path(candidate.worktree)), backend=ctx.config.target,
                        rounds=ctx.config.gate_rounds, max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain,
@@ -302,7 +304,7 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             final = result.median_step_s() if result.failure is None else None
         parts = {"final_comparison" if comparison else "final_measure": round(time.monotonic() - started, 3)}
     paths = write_report(state, ctx.config, ctx.paths.report, final_step_s=final, stop_reason=reason,
-                         emulated_npu=ctx.config.target == "npu" and npu_pending.emulated_npu(ctx), kb_stats=_kb_stats(ctx),
+                         emulated_npu=ctx.config.target == "npu" and npu_emulated(), kb_stats=_kb_stats(ctx),
                          final_comparison=comparison)
     remove_view(workspace, npu_pending.PENDING_VIEW)
     workspace.cleanup()

@@ -1,52 +1,22 @@
-"""NPU runs: the port commit that opens them, and the pending branch where rewrites whose numerics
-passed on the emulation wait (one commit each, stacked) for `trainbridge verify` on an NPU host."""
+"""The pending branch of an NPU run without an NPU: rewrites whose numerics passed on the emulation
+wait there (one commit each, stacked) for `trainbridge verify` on an NPU host; and the detached view
+of its head the analyst reads."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from trainbridge.agents.coder.candidate import Candidate
 from trainbridge.graph.context import RunContext
+from trainbridge.sandbox.backends import npu_emulated
 
-
-def emulated_npu(ctx: RunContext) -> bool:
-    """No usable NPU here: the sandbox gives `npu` children the torch_npu emulation (the device maps to
-    the CPU), so their numerics are real but their times are never NPU speed."""
-    from trainbridge.sandbox.backends import probe
-
-    return not probe("npu").available
-
-
-PORT_CANDIDATE = "port-npu"
 PENDING_VIEW = "pending-view"
-
-
-def port_to_npu(ctx: RunContext, workspace) -> dict[str, Any]:
-    """First commit of an NPU run: the explicit, reviewable port (device strings, torch.cuda, nccl,
-    `import torch_npu`). Not a speed candidate: it is what makes the program run on the target at all,
-    and the baseline below is measured on it. Idempotent: a re-run finds nothing left to port."""
-    from trainbridge.tools.porting import port_repo
-    from trainbridge.tools.porting_cli import write_port
-
-    cand = workspace.start_candidate(PORT_CANDIDATE)
-    result = port_repo(Path(cand.path))
-    written = write_port(Path(cand.path), result)
-    blocking = [f"{s.file}:{s.line} {s.category}" for s in result.skipped if s.blocking]
-    commit = workspace.commit_candidate(PORT_CANDIDATE, f"trainbridge: port to the NPU ({len(result.changes)} change(s))\n\n"
-                                        f"Not ported (manual work): {', '.join(blocking) or 'nothing'}.")
-    if commit.empty:
-        workspace.reject_candidate(PORT_CANDIDATE)
-        return {"commit": None, "files": [], "not_ported": blocking}
-    accepted = workspace.accept_candidate(PORT_CANDIDATE)
-    ctx.say(f"ported to the NPU: {len(written)} file(s), commit {accepted.sha[:12]}")
-    return {"commit": accepted.sha, "files": written, "not_ported": blocking}
 
 
 def pending_head(ctx: RunContext, workspace) -> str | None:
     """On an emulated NPU, numerics-verified rewrites wait on the pending branch instead of the run
     branch: later candidates start from its content so the rewrites stack (and verify replays them)."""
-    if not (ctx.config.target == "npu" and emulated_npu(ctx)):
+    if not (ctx.config.target == "npu" and npu_emulated()):
         return None
     from trainbridge.tools.git_ops import side_branch_name
 
@@ -74,6 +44,6 @@ def stack_on_pending(ctx: RunContext, workspace, candidate: Candidate) -> tuple[
 
 def pending_view(workspace, sha: str) -> Path:
     """A detached worktree at the pending head, for the analyst to read (never committed to)."""
-    from trainbridge.graph.views import detached_view
+    from trainbridge.graph.detached_views import detached_view
 
     return detached_view(workspace, PENDING_VIEW, sha)

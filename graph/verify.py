@@ -6,7 +6,7 @@ that branch's commits in order, each as a fresh candidate on the current run-bra
 the full profiler gate with real timing. Accepted ones are fast-forwarded onto the run branch
 (one commit each, message kept, new trailer `verify-<candidate>`); the rest are dropped. Every
 decision goes to `<run dir>/verify.json` and to the knowledge base. When every pending commit is
-decided the pending branch is deleted. On a host without a usable NPU it refuses with the probe's
+decided the pending branch is deleted. On a host without a usable NPU it refuses with the availability check's
 reason: speed on an NPU is only ever claimed from an NPU.
 
 Crash-safe like the loop: decisions already in verify.json are skipped, a replay is committed with
@@ -33,7 +33,7 @@ Decision = Literal["accepted", "rejected", "conflict", "already_applied"]
 
 
 class VerifyRefused(RuntimeError):
-    """Verification cannot run here (no usable NPU); the message carries the probe's reason."""
+    """Verification cannot run here (no usable NPU); the message carries the availability check's reason."""
 
 
 class VerifyError(RuntimeError):
@@ -60,7 +60,7 @@ class ReplayOutcome(Record):
 class VerifyReport(Record):
     run_id: str
     backend: str
-    probe_reason: str
+    availability_reason: str
     pending_branch: str
     run_head_before: str
     run_head_after: str
@@ -74,7 +74,7 @@ def verify_run(
     *,
     root: Path | None = None,
     backend: str = "npu",
-    probe: Callable[[str], Any] | None = None,
+    availability: Callable[[str], Any] | None = None,
     gate: Callable[..., Any] | None = None,
     rounds: int | None = None,
     min_gain: float | None = None,
@@ -84,22 +84,22 @@ def verify_run(
 ) -> VerifyReport:
     """Replay `trainbridge/<run_id>.pending-npu` through the full gate on `backend` (see module doc).
 
-    `probe(backend) -> Availability` decides whether the hardware is real (default:
-    sandbox.backends.probe); `gate` defaults to agents.profiler.gate.run_gate; rounds and
+    `availability(backend) -> Availability` decides whether the hardware is real (default:
+    sandbox.backends.availability); `gate` defaults to agents.profiler.gate.run_gate; rounds and
     min_gain default to the run's settings. `kb=None` records no knowledge-base outcomes.
     """
-    from trainbridge.graph.app import load_config
-    from trainbridge.sandbox.backends import probe as default_probe
+    from trainbridge.graph.runs import load_config
+    from trainbridge.sandbox.backends import availability as default_availability
 
     config, paths = load_config(run_id, root)
-    availability = (probe or default_probe)(backend)
-    if not availability.available:
-        raise VerifyRefused(f"cannot verify run {run_id} here: {backend} is not usable: {availability.reason}. Speed on "
+    found = (availability or default_availability)(backend)
+    if not found.available:
+        raise VerifyRefused(f"cannot verify run {run_id} here: {backend} is not usable: {found.reason}. Speed on "
                             f"an NPU is only measured on an NPU: run `trainbridge verify {run_id}` on an NPU host.")
-    from trainbridge.graph.app import run_lock
+    from trainbridge.graph.runs import run_lock
 
     with run_lock(paths):  # never while `run`/`resume`/`review` drive the same run's worktrees
-        return _verify(config, paths, availability, gate=gate, rounds=rounds, min_gain=min_gain, confidence=confidence,
+        return _verify(config, paths, found, gate=gate, rounds=rounds, min_gain=min_gain, confidence=confidence,
                        kb=kb, say=say, root=root, backend=backend)
 
 
@@ -114,7 +114,7 @@ def _verify(config, paths, availability, *, gate, rounds, min_gain, confidence, 
     record_path = paths.dir / "verify.json"
     decided = _load_record(record_path)
     head_before = workspace.head_sha
-    report = VerifyReport(run_id=run_id, backend=backend, probe_reason=availability.reason, pending_branch=side,
+    report = VerifyReport(run_id=run_id, backend=backend, availability_reason=availability.reason, pending_branch=side,
                           run_head_before=head_before, run_head_after=head_before, outcomes=list(decided.values()),
                           record_path=str(record_path))
     pending_head = workspace.ref_sha(side)
@@ -259,7 +259,7 @@ def _meta_from_message(message: str) -> dict[str, str]:
 
 def _known_candidates(run_id: str, root: Path | None) -> dict[str, dict]:
     """Candidate name -> intent, category and recipe from the run's checkpointed verdicts (when any)."""
-    from trainbridge.graph.app import run_status
+    from trainbridge.graph.runs import run_status
     from trainbridge.graph.state import RunPaths
 
     if not RunPaths(run_id, root).checkpoints.is_file():

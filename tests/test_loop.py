@@ -35,7 +35,7 @@ from langgraph.types import Command
 from trainbridge.agents.analyst.static_scan import scan_repo_result
 from trainbridge.agents.coder.candidate import make_candidate
 from trainbridge.graph import nodes
-from trainbridge.graph.app import RunError, resume_run, run_status, start_run
+from trainbridge.graph.runs import RunError, resume_run, run_status, start_run
 from trainbridge.graph.builder import build_graph
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.review import ReviewDecision
@@ -71,7 +71,7 @@ if args.get("kill_after"):
             os.kill(os.getpid(), signal.SIGKILL)
         return result
     git_ops._git_status = _git_status
-from trainbridge.graph.app import resume_run, start_run
+from trainbridge.graph.runs import resume_run, start_run
 from trainbridge.graph.state import RunConfig
 say = lambda message: print(message, flush=True)
 if args["action"] == "start":

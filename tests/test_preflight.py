@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainbridge.graph.app import RunError, start_run
+from trainbridge.graph.runs import RunError, start_run
 from trainbridge.graph.preflight import RunInputError, check_run_input
 from trainbridge.graph.state import RunConfig
 

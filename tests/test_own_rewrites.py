@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from trainbridge.graph.landed import added_lines, is_own_rewrite
+from trainbridge.graph.own_rewrites import added_lines, is_own_rewrite
 from trainbridge.records import Intent, IntentSource, SourceSpan
 
 
