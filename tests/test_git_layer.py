@@ -1,4 +1,4 @@
-"""One door to git: nothing in the package runs git except the runner in tools/git_ops.py.
+"""One door to git: nothing in the package runs git except the runner in tools/git_runner.py.
 
 That runner turns hooks, commit signing, housekeeping and the user's output-shaping config (diff
 prefixes, colour, external diff drivers) off, and RunWorkspace adds the trainbridge/ prefix check and
@@ -16,7 +16,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNNER = Path("tools/git_ops.py")
+RUNNER = Path("tools/git_runner.py")
 NOT_SCANNED = {"tests", "benchmarks", "examples", ".venv"}
 
 
@@ -40,7 +40,7 @@ def package_files(root: Path = ROOT) -> list[Path]:
 
 def test_only_the_runner_runs_git():
     outside = [hit for path in package_files() if path.relative_to(ROOT) != RUNNER for hit in git_calls(path)]
-    assert not outside, ("git run around tools/git_ops.run_git (hooks, signing, prefix check, lock bypassed):\n"
+    assert not outside, ("git run around tools/git_runner.run_git (hooks, signing, prefix check, lock bypassed):\n"
                          + "\n".join(outside))
 
 

@@ -60,9 +60,9 @@ DRIVER = r"""
 import json, os, signal, sys
 args = json.loads(sys.argv[1])
 if args.get("kill_after"):
-    from trainbridge.tools import git_ops
+    from trainbridge.tools import git_runner
     kind, ref = args["kill_after"]
-    original = git_ops._git_status
+    original = git_runner._git_status
     def _git_status(cwd, *argv, **kwargs):
         result = original(cwd, *argv, **kwargs)
         moved_run_branch = "update-ref" in argv and ref in argv and argv[-1] != ""  # not its creation
@@ -70,7 +70,7 @@ if args.get("kill_after"):
             print(f"KILLING MYSELF after git {' '.join(a for a in argv if not a.startswith('-c'))[:200]}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return result
-    git_ops._git_status = _git_status
+    git_runner._git_status = _git_status
 from trainbridge.graph.runs import resume_run, start_run
 from trainbridge.graph.state import RunConfig
 say = lambda message: print(message, flush=True)
