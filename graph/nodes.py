@@ -342,7 +342,7 @@ def _kb_stats(ctx: RunContext) -> dict[str, Any] | None:
 
 def _learn(ctx: RunContext, workspace, candidate: Candidate, state: RunState) -> None:
     """An accepted LLM rewrite becomes a `learned` recipe, so the next run needs no LLM for it."""
-    from trainbridge.agents.coder.llm import LearnedRecipeError, learned_recipe
+    from trainbridge.agents.coder.learned import LearnedRecipeError, learned_recipe
 
     try:
         recipe = learned_recipe(candidate, Intent.model_validate(state["current_intent"]), repo_root=workspace.repo.root,

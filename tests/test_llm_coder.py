@@ -19,16 +19,11 @@ import git
 import pytest
 from pydantic import SecretStr
 
-from trainbridge.agents.coder import llm as llm_module
+from trainbridge.agents.coder import llm_client
 from trainbridge.agents.coder.candidate import Candidate, CoderRefusal
-from trainbridge.agents.coder.llm import (
-    LearnedRecipeError,
-    PatchRejected,
-    learned_recipe,
-    llm_candidate,
-    locate,
-    parse_reply,
-)
+from trainbridge.agents.coder.learned import LearnedRecipeError, learned_recipe
+from trainbridge.agents.coder.llm import llm_candidate
+from trainbridge.agents.coder.llm_reply import PatchRejected, locate, parse_reply
 from trainbridge.agents.coder.llm_config import LLMConfig, LLMConfigError
 from trainbridge.records import Evidence, Intent, IntentCategory, IntentSource, SourceSpan
 from trainbridge.tools.codemods.engine import CodemodRefused, apply_recipe
@@ -145,7 +140,6 @@ def server():
 @pytest.fixture
 def waits(monkeypatch):
     """The client's backoff waits, recorded instead of slept."""
-    from trainbridge.agents.coder import llm_client
 
     recorded: list[float] = []
     monkeypatch.setattr(llm_client, "_sleep", recorded.append)
@@ -304,7 +298,7 @@ def test_unconfigured_path_constructs_no_client(monkeypatch, workspace, user_rep
     assert_nothing_landed(workspace, user_repo, before)
     # the same patch point does catch a construction, so the assertion above can fail
     with pytest.raises(AssertionError, match="constructed"):
-        llm_module.make_chat(LLMConfig(model="m", base_url="http://127.0.0.1:9/v1"))
+        llm_client.make_chat(LLMConfig(model="m", base_url="http://127.0.0.1:9/v1"))
 
 
 # --- a valid patch ----------------------------------------------------------------------------------
