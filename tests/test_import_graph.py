@@ -1,5 +1,6 @@
-"""The package's imports run one way: no module imports itself back through others, and no layer
-imports a layer above it (records <- knowledge <- tools <- sandbox <- agents <- graph).
+"""The package's imports run one way: no module imports itself back through others, no layer imports
+a layer above it (records <- knowledge <- tools <- sandbox <- agents <- graph), and no module uses
+another's private names.
 
 Imports inside functions count too: a cycle joined through a function-level import is still a
 cycle (it only fails later, at the first call). The graph is read from the source with `ast`, so
@@ -108,15 +109,44 @@ def test_no_layer_imports_a_layer_above_it():
     assert not upward, f"imports against the layering {' <- '.join(LAYERS)}:\n" + "\n".join(upward)
 
 
+def private_uses(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
+    """`file:line name` wherever a module imports another module's private (`_x`) name or reaches
+    into it as `module._x`: a helper used across modules is API and gets a public name."""
+    found = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(PACKAGE):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{path.relative_to(root)}:{node.lineno} {node.module}.{alias.name}")
+                    aliases.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                aliases |= {alias.asname or alias.name for alias in node.names if alias.name.startswith(PACKAGE)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                found.append(f"{path.relative_to(root)}:{node.lineno} {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    found = private_uses(package_modules())
+    assert not found, "private names used across modules (make them public or move them):\n" + "\n".join(found)
+
+
 def test_the_checks_find_a_cycle_and_an_upward_import(tmp_path):
     """The walker itself: a planted cycle through a function-level import, and tools -> sandbox."""
     for rel, text in {
         "tools/__init__.py": "", "tools/a.py": "def f():\n    from trainbridge.tools import b\n",
         "tools/b.py": "from trainbridge.tools.a import f\n", "sandbox/__init__.py": "",
-        "sandbox/c.py": "", "tools/d.py": "import trainbridge.sandbox.c\n",
+        "sandbox/c.py": "_x = 1\n", "tools/d.py": "import trainbridge.sandbox.c\n",
+        "tools/e.py": "from trainbridge.sandbox.c import _x\nfrom trainbridge.tools import a\na._f()\n",
     }.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text, encoding="utf-8")
     edges = import_edges(package_modules(tmp_path))
     assert cycles(edges) == [["trainbridge.tools.a", "trainbridge.tools.b"]]
     assert "trainbridge.sandbox.c" in edges["trainbridge.tools.d"] and layer("trainbridge.sandbox.c") > layer("trainbridge.tools.d")
+    assert [hit.split(" ")[1] for hit in private_uses(package_modules(tmp_path), tmp_path)] == ["trainbridge.sandbox.c._x", "a._f"]

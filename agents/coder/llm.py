@@ -29,7 +29,7 @@ from trainbridge.agents.coder.candidate import Candidate, CoderRefusal, candidat
 from trainbridge.agents.coder.llm_checks import add_imports, check_rules, check_structure, import_in_sandbox
 from trainbridge.agents.coder.llm_client import RequestFailed, ask, make_chat
 from trainbridge.agents.coder.llm_config import ENV_BASE_URL, ENV_MODEL, LLMConfig
-from trainbridge.agents.coder.llm_reply import AttemptFailure, PatchRejected, _Located, apply_blocks, locate, parse_reply
+from trainbridge.agents.coder.llm_reply import AttemptFailure, PatchRejected, LocatedEdit, apply_blocks, locate, parse_reply
 from trainbridge.knowledge.schema import Target
 from trainbridge.records import Intent, SourceSpan
 
@@ -145,7 +145,7 @@ def _attempts(workspace, intent: Intent, config: LLMConfig, name: str, sources: 
 
 
 def _check_patch(reply: str, sources: dict[str, str], spans: Sequence[SourceSpan], target: str,
-                 protected: Sequence[str]) -> tuple[dict[str, str], list[_Located], list[str]]:
+                 protected: Sequence[str]) -> tuple[dict[str, str], list[LocatedEdit], list[str]]:
     parsed = parse_reply(reply)
     located = locate(parsed.blocks, sources, spans)
     check_rules(located, sources, parsed.imports, target, protected)

@@ -19,7 +19,7 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 
 from trainbridge.agents.coder import prompts
-from trainbridge.agents.coder.llm_reply import PatchRejected, _Located
+from trainbridge.agents.coder.llm_reply import PatchRejected, LocatedEdit
 from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory, network_isolation, scrubbed_env
 from trainbridge.tools.codemods.imports import parse_import_line
 
@@ -55,7 +55,7 @@ _INTRODUCE_RULES = (
 )
 
 
-def check_rules(located: Sequence[_Located], sources: dict[str, str], imports: Sequence[str], target: str,
+def check_rules(located: Sequence[LocatedEdit], sources: dict[str, str], imports: Sequence[str], target: str,
                 protected: Sequence[str] = ()) -> None:
     """Refuse blocks that touch the harness's concerns or add state, skips, process access or imports."""
     touch = list(_TOUCH_RULES)
@@ -137,7 +137,7 @@ def _scopes(source: str) -> list[str]:
     return scopes
 
 
-def check_structure(file: str, old: str, new: str, located: Sequence[_Located]) -> None:
+def check_structure(file: str, old: str, new: str, located: Sequence[LocatedEdit]) -> None:
     """Lines outside the edited ones must stay in the same function/class (an edit must not re-indent them)."""
     before, after = _scopes(old), _scopes(new)
     edits = sorted((e for e in located if e.file == file), key=lambda e: e.start)

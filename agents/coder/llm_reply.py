@@ -111,16 +111,18 @@ def _path_before(lines: list[str], index: int) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Located:
+class LocatedEdit:
+    """One search/replace block located in its file: lines [start, end) become `replace`."""
+
     file: str
     start: int  # 0-based first line
     end: int  # exclusive
     replace: list[str]
 
 
-def locate(blocks: Sequence[EditBlock], sources: dict[str, str], spans: Sequence[SourceSpan]) -> list[_Located]:
+def locate(blocks: Sequence[EditBlock], sources: dict[str, str], spans: Sequence[SourceSpan]) -> list[LocatedEdit]:
     """Where each block applies; refuses blocks that are ambiguous, missing or outside the spans."""
-    found: list[_Located] = []
+    found: list[LocatedEdit] = []
     for number, block in enumerate(blocks, 1):
         file = _resolve_file(block.file, sources, number)
         if not any(line.strip() for line in block.search):
@@ -148,7 +150,7 @@ def locate(blocks: Sequence[EditBlock], sources: dict[str, str], spans: Sequence
             if other.file == file and other.start < start + n and start < other.end:
                 raise PatchRejected("confinement", f"block {number} overlaps an earlier block ({file} lines "
                                     f"{other.start + 1}-{other.end})")
-        found.append(_Located(file, start, start + n, block.replace))
+        found.append(LocatedEdit(file, start, start + n, block.replace))
     return found
 
 
@@ -179,7 +181,7 @@ def _near_misses(search: list[str], lines: list[str], file: str) -> list[str]:
     return [f"{file} line {i + 1}: {lines[i].strip()}" for i, line in enumerate(lines) if line.strip() in close][:3]
 
 
-def apply_blocks(source: str, located: Sequence[_Located]) -> str:
+def apply_blocks(source: str, located: Sequence[LocatedEdit]) -> str:
     newline = "\r\n" if "\r\n" in source else "\n"
     lines = source.splitlines()
     for edit in sorted(located, key=lambda e: -e.start):
