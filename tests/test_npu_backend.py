@@ -23,6 +23,7 @@ from trainbridge.sandbox.isolation import scrubbed_env
 from trainbridge.sandbox.npu_emulation import emulation_path
 from trainbridge.sandbox.runner import run_workload
 from trainbridge.sandbox.workload import load_workload
+from trainbridge.tests.host import needs_no_torch_npu
 
 TESTS = Path(__file__).parent
 EXAMPLES = TESTS.parent / "examples"
@@ -84,6 +85,7 @@ _DEVICE_NPU = """
 """
 
 
+@needs_no_torch_npu
 def test_probe_not_installed_even_with_the_stand_in_on_the_path():
     found = availability("npu", env=_env(emulation_path()))
     assert not found.available and found.cause == AvailabilityCause.not_installed
@@ -134,6 +136,7 @@ def test_probe_accepts_a_matching_torch_npu_that_sees_devices(tmp_path):
     assert "2 NPU device(s)" in found.reason and found.versions["torch_npu"] == TORCH_RELEASE
 
 
+@needs_no_torch_npu
 def test_default_probe_is_cached_and_the_cpu_always_available(fresh_probe_cache):
     first = availability("npu")
     assert availability("npu") is first and first.cause == AvailabilityCause.not_installed  # this machine has no torch_npu
@@ -466,6 +469,7 @@ def test_profile_capture_reports_missing_output_and_refuses_the_emulation(tmp_pa
         profile_npu_step(_tiny_parts([]), tmp_path / "p2", tmp_path, torch_npu_module=emulated)
 
 
+@needs_no_torch_npu
 def test_capture_refuses_up_front_where_the_child_would_be_emulated(tmp_path, fresh_probe_cache):
     from trainbridge.sandbox.npu_profile import NpuProfileUnavailable, capture_npu_profile
 

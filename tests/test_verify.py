@@ -19,6 +19,7 @@ from trainbridge.graph.runs import RunError
 from trainbridge.graph.state import RunConfig, RunPaths
 from trainbridge.graph.verify import VerifyRefused, replay_name, verify_run
 from trainbridge.sandbox.backends import Availability
+from trainbridge.tests.host import needs_no_torch_npu
 from trainbridge.tools.git_ops import RunWorkspace, open_repo
 
 RUN = "r1"
@@ -129,6 +130,7 @@ def _refs(repo: Path) -> list[str]:
     return _git(repo, "for-each-ref", "--format=%(refname:short)", "refs/heads/").splitlines()
 
 
+@needs_no_torch_npu
 def test_refuses_without_an_npu_with_the_availability_reason(tmp_path):
     repo, runs, workspace = make_run(tmp_path, [("c1", FAST)])
     refs_before, head_before = _refs(repo), workspace.head_sha
