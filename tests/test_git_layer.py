@@ -56,3 +56,16 @@ def test_the_scan_finds_each_way_of_running_git(tmp_path):
     kinds = [hit.split(" ", 1)[1] for hit in git_calls(planted)]
     assert sorted(kinds) == ["argv starting with 'git'", "argv starting with 'git'", "from git import ...",
                              "import git (GitPython)"]
+
+
+def test_importing_the_graph_imports_no_gitpython():
+    """GitPython runs `git version` and reads the cwd when imported; the LangGraph server builds the
+    graph inside its event loop and answers a blocking call with a 500 (seen on /assistants/.../schemas
+    when own_rewrites.py imported the runner at module level). The runner imports it on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, trainbridge.graph.builder, trainbridge.graph.server, trainbridge.tools.git_ops\n"
+            "sys.exit('git' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, "importing the graph imported GitPython\n" + done.stderr

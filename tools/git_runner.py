@@ -19,8 +19,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import git
-
 from trainbridge.records import Record
 from trainbridge.tools.git_errors import GitCommandFailed
 from trainbridge.tools.git_names import TRAILER_CANDIDATE
@@ -68,6 +66,8 @@ def _git_status(cwd: Path, *args: str, identity: GitIdentity | None = None, env:
     full_env = {"GIT_AUTHOR_NAME": ident.name, "GIT_AUTHOR_EMAIL": ident.email, "GIT_COMMITTER_NAME": ident.name,
                 "GIT_COMMITTER_EMAIL": ident.email, "GIT_TERMINAL_PROMPT": "0", "GIT_EDITOR": "true",
                 "GIT_SEQUENCE_EDITOR": "true", "GIT_MERGE_AUTOEDIT": "no", **(env or {})}
+    import git  # GitPython, on first use: importing it runs git and reads the cwd (the served graph imports this module)
+
     return git.Git(str(cwd)).execute(argv, env=full_env, with_extended_output=True, with_exceptions=False,
                                      strip_newline_in_stdout=strip)
 
