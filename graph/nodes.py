@@ -18,13 +18,13 @@ from trainbridge.agents.coder.attempts import coder_turn
 from trainbridge.agents.coder.candidate import Candidate
 from trainbridge.agents.retrieval.choose import choose_intent
 from trainbridge.graph import npu_pending
-from trainbridge.graph.npu_port import port_to_npu
 from trainbridge.graph.context import RunContext
+from trainbridge.graph.detached_views import detached_view, remove_view
+from trainbridge.graph.npu_port import port_to_npu
 from trainbridge.graph.own_rewrites import added_lines, is_own_rewrite
 from trainbridge.graph.review import REVIEW_SCHEMA_VERSION, ReviewDecision, review_payload
 from trainbridge.graph.state import RunState
 from trainbridge.graph.stops import NO_INTENTS, RunStopped, limit_reached, stop_reason
-from trainbridge.graph.detached_views import detached_view, remove_view
 from trainbridge.knowledge.schema import Outcome
 from trainbridge.records import Intent
 from trainbridge.sandbox.backends import npu_emulated
