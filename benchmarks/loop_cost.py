@@ -89,7 +89,7 @@ def _is_progress(line: str) -> bool:
 
 
 def _final_state(run_id: str, home: Path) -> dict[str, Any]:
-    from trainbridge.graph.app import RunError, run_status
+    from trainbridge.graph.runs import RunError, run_status
 
     try:
         return run_status(run_id, root=home / "runs")["state"]

@@ -1,62 +1,21 @@
-"""CLI commands of the loop: run, resume, status, review, report, demo. Registered on the app in cli.py."""
+"""CLI commands of the loop: run, resume, status, review, report, demo, verify. Mounted on the root app by cli.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.syntax import Syntax
 
+from trainbridge.graph.cli_display import ask_decision, print_outcome, say as _say, show_review
+from trainbridge.graph.cli_inputs import default_run_id, examples_dir, parse_duration, valid_run_id
+from trainbridge.graph.cli_server import review_on_server, run_on_server, served_run_status
 from trainbridge.graph.terminal import console
 from trainbridge.graph.terminal import error as _error
-
-
-def _say(message: str) -> None:
-    console.print(f"[dim]{datetime.now():%H:%M:%S}[/] {message}", soft_wrap=True, highlight=False)
-
-
-
-def parse_duration(text: str) -> float:
-    """'8h', '90m', '45s', '1h30m' or plain seconds."""
-    import re
-
-    if re.fullmatch(r"\d+(\.\d+)?", text):
-        return float(text)
-    parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", text)
-    if not parts or "".join(a + b for a, b in parts) != text:
-        raise typer.BadParameter(f"{text!r} is not a duration like 8h, 90m, 1h30m or 3600")
-    return sum(float(value) * {"h": 3600, "m": 60, "s": 1}[unit] for value, unit in parts)
-
-
-def print_outcome(name: str, waiting: dict | None, state: dict, finished: bool, *, review_command: str,
-                  where: str = "", show_report: bool = True) -> bool:
-    """A paused or finished run as the CLI shows it (local or served: `where` says on which machine the
-    branch and report are). Returns False when the run is neither, for the caller to say what it is."""
-    from trainbridge.graph.app import summary_line
-
-    if waiting is not None:
-        console.print(f"[yellow]paused for review[/] of candidate {waiting.get('candidate')} ({(waiting.get('intent') or {}).get('category')}); "
-                      f"answer with: {review_command}", soft_wrap=True)
-        return True
-    if not finished:
-        return False
-    console.print(f"[green]run {name} finished[/]: {state.get('stop_reason')}; {summary_line(state)}", soft_wrap=True)
-    console.print(f"branch: {state.get('run_branch')}" + (f" (in the repository {where})" if where else ""), soft_wrap=True)
-    for path in state.get("report_paths") or []:
-        if path.endswith("report.md"):
-            console.print(f"report {where}: {path}" if where else f"report: {path}", soft_wrap=True)
-            if show_report:
-                print(Path(path).read_text(encoding="utf-8"))
-    return True
 
 
 def _report_outcome(outcome) -> None:
@@ -75,7 +34,7 @@ def run(
     no_reference: bool = typer.Option(False, "--no-reference", help="Skip the torch.compile reference (faster analysis, coarser ranking)."),
     kb_url: Optional[str] = typer.Option(None, "--kb-url", help="Shared knowledge base on a Chroma server, e.g. http://kb-host:8000."),
     kb_dir: Optional[Path] = typer.Option(None, "--kb-dir", help="Embedded knowledge base directory (default: per user)."),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="Name of the run (default: <repo>-<timestamp>)."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", callback=valid_run_id, help="Name of the run: 1-64 letters, digits, '_' or '-', starting with a letter or digit (default: <repo>-<timestamp>)."),
     min_gain: float = typer.Option(0.01, help="Smallest step-time gain to accept (0.01 = 1%)."),
     rounds: int = typer.Option(10, help="Interleaved A/B rounds per candidate in the gate (twice as many when the first look is inconclusive but shows a gain or loss of at least the minimum gain)."),
     final_rounds: int = typer.Option(6, help="Interleaved rounds of the closing comparison: original, final head and torch.compile of the original (0: a single plain measurement)."),
@@ -87,11 +46,11 @@ def run(
     Checkpointed after every step: if the process dies, `trainbridge resume <run-id>` continues without duplicate commits or lost verdicts.
     With --server URL the run is a thread on that LangGraph server: answer its reviews with `trainbridge review --server URL <run-id>`.
     """
-    from trainbridge.graph.app import RunError, start_run
+    from trainbridge.graph.runs import RunError, start_run
     from trainbridge.graph.state import RunConfig
 
     repo = repo.resolve()
-    name = run_id or f"{repo.name}-{datetime.now():%Y%m%d-%H%M%S}".replace(".", "-")
+    name = run_id or default_run_id(repo.name)
     try:
         config = RunConfig(repo=str(repo), run_id=name, target=target, budget_s=parse_duration(budget), max_candidates=max_candidates,
                            review=review, reference_pack=str(reference.resolve()) if reference else None,
@@ -101,10 +60,15 @@ def run(
         _error(str(exc))
         raise typer.Exit(2) from None
     if server:
-        from trainbridge.graph.cli_server import run_on_server
-
         run_on_server(server, config)
         return
+    from trainbridge.graph.preflight import RunInputError, check_run_input
+
+    try:  # before anything of the run exists: a bad repository leaves no run record behind
+        check_run_input(config)
+    except RunInputError as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
     _say(f"run {name} on {repo} (target {target}); resume with: trainbridge resume {name}")
     try:
         outcome = start_run(config, say=_say)
@@ -121,16 +85,16 @@ def _stopping_errors() -> tuple[type[BaseException], ...]:
     """Errors that stop a run with a message the user can act on (no traceback)."""
     from trainbridge.agents.analyst.analyze import AnalysisError
     from trainbridge.agents.coder.llm_config import LLMConfigError
-    from trainbridge.graph.nodes import RunStopped
+    from trainbridge.graph.stops import RunStopped
     from trainbridge.sandbox.workload import WorkloadConfigError
     from trainbridge.tools.git_ops import UnsafeRepoState
 
     return (AnalysisError, LLMConfigError, RunStopped, UnsafeRepoState, WorkloadConfigError)
 
 
-def resume(run_id: str = typer.Argument(..., help="The run to continue.")) -> None:
+def resume(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run to continue.")) -> None:
     """Continue a run that was stopped or killed, from its last checkpoint."""
-    from trainbridge.graph.app import RunError, resume_run
+    from trainbridge.graph.runs import RunError, resume_run
 
     try:
         outcome = resume_run(run_id, say=_say)
@@ -143,10 +107,9 @@ def resume(run_id: str = typer.Argument(..., help="The run to continue.")) -> No
     _report_outcome(outcome)
 
 
-def status(run_id: Optional[str] = typer.Argument(None, help="A run (default: list all runs).")) -> None:
+def status(run_id: Optional[str] = typer.Argument(None, callback=valid_run_id, help="A run (default: list all runs).")) -> None:
     """Where a run stands: current node, intents done/left, candidates, accepted speedup so far (a served run: asked of its server)."""
-    from trainbridge.graph.app import RunError, run_status, summary_line
-    from trainbridge.graph.cli_server import served_run_status
+    from trainbridge.graph.runs import RunError, run_status, summary_line
     from trainbridge.graph.state import runs_root
 
     if run_id is None:
@@ -181,7 +144,7 @@ def status(run_id: Optional[str] = typer.Argument(None, help="A run (default: li
 
 
 def review_cmd(
-    run_id: str = typer.Argument(..., help="A run paused for review (with --server: its run id or its server thread id)."),
+    run_id: str = typer.Argument(..., callback=valid_run_id, help="A run paused for review (with --server: its run id or its server thread id)."),
     action: Optional[str] = typer.Option(None, "--action", help="approve, reject or edit (default: ask)."),
     reason: Optional[str] = typer.Option(None, "--reason", help="Why it is rejected (reaches the coder and the knowledge base)."),
     patch_file: Optional[Path] = typer.Option(None, "--patch", help="For edit: the replacement patch (default: open $EDITOR on the current one)."),
@@ -191,11 +154,9 @@ def review_cmd(
 
     The same review, payload and answer whether the run is local or on a LangGraph server (--server URL)."""
     if server:
-        from trainbridge.graph.cli_server import review_on_server
-
         review_on_server(server, run_id, action, reason, patch_file)
         return
-    from trainbridge.graph.app import RunError, answer_review, run_status
+    from trainbridge.graph.runs import RunError, answer_review, run_status
 
     try:
         info = run_status(run_id)
@@ -216,56 +177,9 @@ def review_cmd(
     _report_outcome(outcome)
 
 
-def show_review(payload: dict) -> None:
-    """The review payload (graph/review.py) as a person reads it: the patch, its intent and evidence, the figures so far."""
-    intent = payload.get("intent") or {}
-    where = ", ".join(f"{s['file']}:{s['line_start']}" for s in intent.get("spans") or [])
-    console.print(f"candidate {payload['candidate']} — recipe {payload.get('recipe_id')} — intent {intent.get('category')} at {where}",
-                  soft_wrap=True)
-    console.print(f"evidence: {json.dumps(intent.get('evidence'), default=str)}", soft_wrap=True, highlight=False)
-    measured = payload.get("measured") or {}
-    if measured.get("baseline_step_s"):
-        judged = [v for v in measured.get("verdicts") or [] if v.get("candidate")]
-        console.print(f"so far: baseline step {measured['baseline_step_s'] * 1000:.1f} ms; {len(judged)} candidate(s) judged, "
-                      f"{len(measured.get('accepted') or [])} accepted (gate ratios multiply to {measured.get('accepted_ratio_product', 1.0):.3f})",
-                      soft_wrap=True, highlight=False)
-        for verdict in judged:
-            ratio = f", ratio {verdict['ratio']:.3f}" if verdict.get("ratio") else ""
-            console.print(f"  {verdict['candidate']}: {verdict['reason']}{ratio}", soft_wrap=True, highlight=False)
-    Console().print(Syntax(payload.get("diff") or "", "diff"))
-
-
-def ask_decision(payload: dict, action: Optional[str], reason: Optional[str], patch_file: Optional[Path]) -> dict:
-    """The resume value (review schema) from the options, asking for what is missing."""
-    from trainbridge.graph.review import REVIEW_SCHEMA_VERSION
-
-    action = action or typer.prompt("approve, reject or edit", type=str)
-    decision: dict = {"schema": REVIEW_SCHEMA_VERSION, "action": action}
-    if action == "reject":
-        decision["reason"] = reason or typer.prompt("reason")
-    elif action == "edit":
-        decision["patch"] = patch_file.read_text(encoding="utf-8") if patch_file else _edit_in_editor(payload.get("diff") or "")
-    elif action != "approve":
-        _error("action must be approve, reject or edit")
-        raise typer.Exit(2)
-    return decision
-
-
-def _edit_in_editor(diff: str) -> str:
-    editor = os.environ.get("EDITOR") or os.environ.get("VISUAL") or "vi"
-    with tempfile.NamedTemporaryFile("w", suffix=".patch", delete=False) as handle:
-        handle.write(diff)
-    try:
-        subprocess.run([*editor.split(), handle.name], check=True)
-        return Path(handle.name).read_text(encoding="utf-8")
-    finally:
-        Path(handle.name).unlink(missing_ok=True)
-
-
-def report_cmd(run_id: str = typer.Argument(..., help="The run.")) -> None:
+def report_cmd(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run.")) -> None:
     """Print where a finished run's report is, and its markdown."""
-    from trainbridge.graph.app import RunError, run_status
-    from trainbridge.graph.cli_server import served_run_status
+    from trainbridge.graph.runs import RunError, run_status
 
     try:
         info = served_run_status(run_id) or run_status(run_id)
@@ -291,33 +205,40 @@ def demo(
     target: str = typer.Option("cpu", "--target", "-t", help="cpu (measured) or npu (emulated here: numerics only)."),
     rounds: int = typer.Option(8, help="Interleaved A/B rounds per candidate."),
     max_candidates: int = typer.Option(12, help="Stop after this many candidates."),
+    kb_dir: Optional[Path] = typer.Option(None, "--kb-dir", help="Knowledge base to use and record the demo's verdicts in (default: a fresh one beside the demo repository, so your own knowledge base is left alone)."),
+    kb_url: Optional[str] = typer.Option(None, "--kb-url", help="A Chroma server's knowledge base instead (e.g. http://kb-host:8000)."),
 ) -> None:
-    """Copy a bundled example into a temporary git repository and run the whole loop on it; print where the branch and report are."""
-    from trainbridge.graph.app import start_run
-    from trainbridge.graph.cli import examples_dir
+    """Copy a bundled example into a temporary git repository and run the whole loop on it; print where the branch and report are.
+
+    The demo records its verdicts in a knowledge base of its own unless --kb-dir or --kb-url says otherwise."""
+    from trainbridge.graph.runs import start_run
     from trainbridge.graph.state import RunConfig
+    from trainbridge.tools.git_ops import GitIdentity, run_git
 
     source = examples_dir() / example
     if not (source / "trainbridge.toml").is_file():
         _error(f"no bundled example {example!r}")
         raise typer.Exit(2)
-    repo = Path(tempfile.mkdtemp(prefix=f"trainbridge-demo-{example}-")) / example
+    folder = Path(tempfile.mkdtemp(prefix=f"trainbridge-demo-{example}-"))
+    repo = folder / example
     shutil.copytree(source, repo, ignore=shutil.ignore_patterns("__pycache__"))
-    for argv in (["git", "init", "-q"], ["git", "add", "-A"],
-                 ["git", "-c", "user.name=TrainBridge demo", "-c", "user.email=demo@localhost", "commit", "-qm", f"{example} as shipped"]):
-        subprocess.run(argv, cwd=repo, check=True)
-    run_id = f"demo-{example}-{datetime.now():%Y%m%d-%H%M%S}".replace("_", "-")
+    demo_author = GitIdentity(name="TrainBridge demo", email="demo@localhost")
+    for args in (("init", "-q"), ("add", "-A"), ("commit", "-qm", f"{example} as shipped")):
+        run_git(repo, *args, identity=demo_author)
+    run_id = default_run_id(f"demo-{example}".replace("_", "-"))
     started = time.monotonic()
     _say(f"demo repository: {repo}")
+    kb = {"kb_url": kb_url} if kb_url else {"kb_dir": str((kb_dir or folder / "kb").expanduser().resolve())}
+    _say(f"demo knowledge base: {kb.get('kb_url') or kb['kb_dir']}")
     outcome = start_run(RunConfig(repo=str(repo), run_id=run_id, target=target, gate_rounds=rounds, max_candidates=max_candidates,
-                                  budget_s=DEMO_BUDGET_S), say=_say)
+                                  budget_s=DEMO_BUDGET_S, **kb), say=_say)
     _report_outcome(outcome)
     console.print(f"demo finished in {time.monotonic() - started:.0f} s; repository {repo}, branch {outcome.state.get('run_branch')}", soft_wrap=True)
 
 
-def verify(run_id: str = typer.Argument(..., help="A run whose NPU candidates wait on trainbridge/<run-id>.pending-npu.")) -> None:
+def verify(run_id: str = typer.Argument(..., callback=valid_run_id, help="A run whose NPU candidates wait on trainbridge/<run-id>.pending-npu.")) -> None:
     """On an NPU host: replay the pending NPU candidates through the full gate (numerics + timing) and fast-forward the accepted ones onto the run branch."""
-    from trainbridge.graph.app import RunError
+    from trainbridge.graph.runs import RunError
     from trainbridge.graph.verify import VerifyError, VerifyRefused, verify_run
 
     try:

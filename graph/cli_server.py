@@ -21,6 +21,7 @@ from typing import Iterator, Optional
 
 import typer
 
+from trainbridge.graph.cli_display import ask_decision, print_outcome, say as _say, show_review
 from trainbridge.graph.terminal import console
 from trainbridge.graph.terminal import error as _error
 
@@ -31,10 +32,6 @@ DEFAULT_PORT = 2024  # langgraph dev's own default
 OFFLINE_ENV = {"LANGGRAPH_CLI_NO_ANALYTICS": "1", "LANGGRAPH_NO_VERSION_CHECK": "true", "LANGSMITH_TRACING": "false",
                "LANGCHAIN_TRACING_V2": "false", "LANGCHAIN_TRACING": "false", "LANGSMITH_TRACING_V2": "false"}
 NOT_INHERITED = ("LANGSMITH_API_KEY", "LANGCHAIN_API_KEY", "LANGGRAPH_CLOUD_LICENSE_KEY")
-
-
-def _say(message: str) -> None:
-    console.print(f"[dim]{datetime.now():%H:%M:%S}[/] {message}", soft_wrap=True, highlight=False)
 
 
 # --- serve ---------------------------------------------------------------------------------------
@@ -155,7 +152,6 @@ def run_on_server(url: str, config) -> None:
 
 def review_on_server(url: str, ref: str, action: Optional[str], reason: Optional[str], patch_file: Optional[Path]) -> None:
     """`trainbridge review --server URL RUN`: show the waiting patch, send the decision, follow the run."""
-    from trainbridge.graph.cli_loop import ask_decision, show_review
     from trainbridge.graph.server_client import answer_review, connect, resolve_thread, thread_outcome
 
     with _server_errors(url):
@@ -178,8 +174,6 @@ def review_on_server(url: str, ref: str, action: Optional[str], reason: Optional
 
 def report_served(url: str, outcome) -> None:
     """Where a served run stands, and the command that continues it."""
-    from trainbridge.graph.cli_loop import print_outcome
-
     name = outcome.run_id or outcome.thread_id
     if outcome.error:
         _error(f"run {name} stopped on the server (thread {outcome.thread_id}): {outcome.error}")
@@ -192,9 +186,9 @@ def report_served(url: str, outcome) -> None:
 
 
 def served_run_status(run_id: str) -> dict | None:
-    """For `trainbridge status/report` on the server's machine: a served run's status (the shape of app.run_status),
+    """For `trainbridge status/report` on the server's machine: a served run's status (the shape of runs.run_status),
     asked of the server that holds it; None for a run that is not served."""
-    from trainbridge.graph.app import RunError, load_config
+    from trainbridge.graph.runs import RunError, load_config
     from trainbridge.graph.server import served_by
     from trainbridge.graph.server_client import ServerError, connect, thread_outcome
 

@@ -14,23 +14,24 @@ from typing import Any, Literal
 from langgraph.runtime import Runtime
 from langgraph.types import interrupt
 
-from trainbridge.agents.coder.candidate import Candidate, CoderRefusal, make_candidate
+from trainbridge.agents.coder.attempts import coder_turn
+from trainbridge.agents.coder.candidate import Candidate
+from trainbridge.agents.retrieval.choose import choose_intent
 from trainbridge.graph import npu_pending
 from trainbridge.graph.context import RunContext
-from trainbridge.graph.landed import added_lines, is_own_rewrite
+from trainbridge.graph.detached_views import detached_view, remove_view
+from trainbridge.graph.npu_port import port_to_npu
+from trainbridge.graph.own_rewrites import added_lines, is_own_rewrite
 from trainbridge.graph.review import REVIEW_SCHEMA_VERSION, ReviewDecision, review_payload
 from trainbridge.graph.state import RunState
-from trainbridge.graph.views import detached_view, remove_view
+from trainbridge.graph.stops import NO_INTENTS, RunStopped, limit_reached, stop_reason
 from trainbridge.knowledge.schema import Outcome
 from trainbridge.records import Intent
+from trainbridge.sandbox.backends import npu_emulated
 from trainbridge.sandbox.workload import Workload, load_workload
 
 
 PARTS_KEY = "_parts"  # a node's sub-phase seconds; builder.timed moves them into `phase_times`
-
-
-class RunStopped(RuntimeError):
-    """The run cannot continue (unsafe repository, baseline fails); the message says why."""
 
 
 # --- prepare -------------------------------------------------------------------------------------
@@ -43,7 +44,7 @@ def prepare(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     if not state.get("started_at"):
         update["started_at"] = time.time()
     if ctx.config.target == "npu" and not state.get("ported"):
-        update["ported"] = npu_pending.port_to_npu(ctx, workspace)
+        update["ported"] = port_to_npu(ctx, workspace)
     if state.get("baseline_step_s") is None:
         ctx.say("measuring the baseline step")
         started = time.monotonic()
@@ -102,47 +103,20 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
 _ANALYSIS_PARTS = {"static_scan": "static", "target_profile": "profile", "reference": "reference"}
 
 
-# The implementation ladder's last rung (reference README): compile just the region. Not on the NPU:
-# there `backend="npu"` may silently run eager, and without an NPU its speed cannot be judged here.
-LAST_RESORT_CATEGORY = "elementwise_chain"
-LAST_RESORT_TARGETS = ("cpu", "cuda")
-
-
 # --- retrieval -----------------------------------------------------------------------------------
 
 
 def retrieval(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
-    """Pick the best remaining intent and the recipes to try for it, best first. Intents whose only
-    option is the last resort (a regional compile) wait until no intent with a recipe of its own is left."""
+    """The retrieval agent picks the best remaining intent and the recipes to try for it, best first."""
     ctx = runtime.context
-    done = set(state.get("done_intents", []))
-    deferred: tuple[dict[str, Any], Intent, list[str]] | None = None
-    for data in state.get("intents", []):
-        intent = Intent.model_validate(data)
-        if intent.id in done:
-            continue
-        ranked = ctx.kb.rank_recipes(intent, ctx.config.target, n=50)
-        queue = _allowed(ctx, [r.recipe.id for r in ranked if str(r.recipe.category) == str(intent.category)])
-        if not queue and ctx.config.target in LAST_RESORT_TARGETS:
-            if deferred is None:
-                last = _allowed(ctx, [r.id for r in ctx.kb.list_recipes(category=LAST_RESORT_CATEGORY, target=ctx.config.target)])
-                if last:
-                    deferred = (data, intent, last)
-            continue
-        return _chosen(ctx, data, intent, queue, last_resort=False)
-    if deferred is not None:
-        return _chosen(ctx, *deferred, last_resort=True)
-    return {"node": "retrieval", "current_intent": None, "recipe_queue": [], "stop_reason": state.get("stop_reason") or "no intents left"}
-
-
-def _allowed(ctx: RunContext, recipe_ids: list[str]) -> list[str]:
-    return [r for r in recipe_ids if ctx.config.recipe_ids is None or r in ctx.config.recipe_ids]
-
-
-def _chosen(ctx: RunContext, data: dict[str, Any], intent: Intent, queue: list[str], *, last_resort: bool) -> dict[str, Any]:
-    ctx.say(f"intent {intent.category} at {', '.join(str(s) for s in intent.spans)}: {len(queue)} "
-            f"{'last-resort ' if last_resort else ''}recipe(s)")
-    return {"node": "retrieval", "current_intent": data, "recipe_queue": queue, "candidate": None,
+    choice = choose_intent(state.get("intents", []), done=set(state.get("done_intents", [])), kb=ctx.kb,
+                           target=ctx.config.target, allowed=ctx.config.recipe_ids)
+    if choice is None:
+        return {"node": "retrieval", "current_intent": None, "recipe_queue": [],
+                "stop_reason": state.get("stop_reason") or NO_INTENTS.message}
+    ctx.say(f"intent {choice.intent.category} at {', '.join(str(s) for s in choice.intent.spans)}: {len(choice.queue)} "
+            f"{'last-resort ' if choice.last_resort else ''}recipe(s)")
+    return {"node": "retrieval", "current_intent": choice.data, "recipe_queue": choice.queue, "candidate": None,
             "review_feedback": None, "verdict": None}
 
 
@@ -156,36 +130,14 @@ def route_after_retrieval(state: RunState) -> Literal["coder", "decide", "report
 
 
 def coder(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
-    """Apply the next recipe that fits; refusals are recorded as verdicts and the queue moves on."""
+    """The coder agent applies the next recipe that fits; refusals are recorded as verdicts and the queue moves on."""
     ctx = runtime.context
     workspace = ctx.workspace(state["base_sha"])
-    intent = Intent.model_validate(state["current_intent"])
-    queue = list(state.get("recipe_queue", []))
-    refusals: list[dict[str, Any]] = []
-    attempt = sum(1 for v in state.get("verdicts", []) if v.get("intent_id") == intent.id)
-    while queue:
-        recipe = ctx.kb.get_recipe(queue.pop(0))
-        if recipe is None:
-            continue
-        made = make_candidate(workspace, intent, recipe, attempt, overlay=npu_pending.pending_head(ctx, workspace))
-        if isinstance(made, Candidate):
-            ctx.say(f"candidate {made.name}: {', '.join(made.files)}")
-            return {"node": "coder", "candidate": made.model_dump(mode="json"), "recipe_queue": queue, "verdicts": refusals}
-        refusals.append(_refusal_record(intent, made))
-    if ctx.llm is not None and not any(v.get("intent_id") == intent.id and v.get("recipe_id") is None for v in state.get("verdicts", [])):
-        from trainbridge.agents.coder.llm import llm_candidate
-
-        ctx.say(f"no recipe fits {intent.category}: asking the LLM for a patch confined to the span")
-        made = llm_candidate(workspace, intent, ctx.llm, feedback=state.get("review_feedback"), target=ctx.config.target, attempt=attempt)
-        if isinstance(made, Candidate):
-            return {"node": "coder", "candidate": made.model_dump(mode="json"), "recipe_queue": [], "verdicts": refusals}
-        refusals.append({**_refusal_record(intent, made), "recipe_id": None})
-    return {"node": "coder", "candidate": None, "recipe_queue": [], "verdicts": refusals}
-
-
-def _refusal_record(intent: Intent, refusal: CoderRefusal) -> dict[str, Any]:
-    return {"intent_id": intent.id, "category": str(intent.category), "recipe_id": refusal.recipe_id, "candidate": None,
-            "accepted": False, "reason": "not_applicable", "message": refusal.reason, "ratio": None, "ratio_ci": None}
+    turn = coder_turn(workspace, Intent.model_validate(state["current_intent"]), state.get("recipe_queue", []), kb=ctx.kb,
+                      llm=ctx.llm, verdicts=state.get("verdicts", []), feedback=state.get("review_feedback"),
+                      target=ctx.config.target, overlay=npu_pending.pending_head(ctx, workspace), say=ctx.say)
+    candidate = turn.candidate.model_dump(mode="json") if turn.candidate is not None else None
+    return {"node": "coder", "candidate": candidate, "recipe_queue": turn.queue, "verdicts": turn.refusals}
 
 
 def route_after_coder(state: RunState, runtime: Runtime[RunContext]) -> Literal["review", "profiler", "decide"]:
@@ -251,7 +203,7 @@ def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     workspace = ctx.workspace(state["base_sha"])
     recipe = ctx.kb.get_recipe(candidate.recipe_id) if candidate.recipe_id else None
     tolerance = tolerance_for(recipe.numerics, NumericsTolerance) if recipe is not None else None
-    emulated = ctx.config.target == "npu" and npu_pending.emulated_npu(ctx)
+    emulated = ctx.config.target == "npu" and npu_emulated()
     ctx.say(f"gate: {candidate.name} ({'numerics only: no NPU here' if emulated else f'{ctx.config.gate_rounds} interleaved rounds'})")
     verdict = run_gate(load_workload(workspace.worktree), load_workload(Path(candidate.worktree)), backend=ctx.config.target,
                        rounds=ctx.config.gate_rounds, max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain,
@@ -320,13 +272,8 @@ def decide(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
 
 
 def route_after_decide(state: RunState, runtime: Runtime[RunContext]) -> Literal["coder", "retrieval", "analyst", "report"]:
-    config = runtime.context.config
     last = (state.get("verdicts") or [{}])[-1]
-    if not budget_allows_another(state, config):
-        return "report"
-    if (state.get("candidates_tried") or 0) >= config.max_candidates:
-        return "report"
-    if (state.get("low_gain_rounds") or 0) >= config.low_gain_rounds_to_stop:
+    if limit_reached(state, runtime.context.config) is not None:
         return "report"
     current = (state.get("current_intent") or {}).get("id")
     landed = last.get("accepted") or last.get("reason") == "speed_unmeasured_numerics_ok"
@@ -335,32 +282,6 @@ def route_after_decide(state: RunState, runtime: Runtime[RunContext]) -> Literal
     if state.get("recipe_queue") and state.get("current_intent") and state["current_intent"]["id"] not in state.get("done_intents", []):
         return "coder"
     return "retrieval"
-
-
-def budget_allows_another(state: RunState, config) -> bool:
-    """Time left for one more candidate as long as the typical one so far (the median gate time), and
-    then for the final comparison (its children counted against a gate's), so a run ends near its
-    budget rather than one gate past it."""
-    elapsed = time.time() - (state.get("started_at") or time.time())
-    gates = sorted(t["wall_s"] for t in state.get("phase_times") or [] if t["node"] == "profiler")
-    typical = gates[len(gates) // 2] if gates else 0.0
-    arms = 3 if config.compile_reference else 2
-    final = typical * (arms * config.final_rounds) / (2 * config.gate_rounds)
-    return elapsed + typical + final <= config.budget_s
-
-
-def stop_reason(state: RunState, config) -> str:
-    """Why the loop stopped (called as the report node starts, before its own measurements)."""
-    if state.get("stop_reason"):  # set by retrieval: nothing left to try
-        return state["stop_reason"]
-    if not budget_allows_another(state, config):
-        elapsed = time.time() - (state.get("started_at") or time.time())
-        return "time budget spent" if elapsed > config.budget_s else "time budget: not enough left for another candidate"
-    if (state.get("candidates_tried") or 0) >= config.max_candidates:
-        return f"candidate limit ({config.max_candidates}) reached"
-    if (state.get("low_gain_rounds") or 0) >= config.low_gain_rounds_to_stop:
-        return f"{config.low_gain_rounds_to_stop} accepted rounds below twice the minimum gain"
-    return "no intents left"
 
 
 # --- report --------------------------------------------------------------------------------------
@@ -383,7 +304,7 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             final = result.median_step_s() if result.failure is None else None
         parts = {"final_comparison" if comparison else "final_measure": round(time.monotonic() - started, 3)}
     paths = write_report(state, ctx.config, ctx.paths.report, final_step_s=final, stop_reason=reason,
-                         emulated_npu=ctx.config.target == "npu" and npu_pending.emulated_npu(ctx), kb_stats=_kb_stats(ctx),
+                         emulated_npu=ctx.config.target == "npu" and npu_emulated(), kb_stats=_kb_stats(ctx),
                          final_comparison=comparison)
     remove_view(workspace, npu_pending.PENDING_VIEW)
     workspace.cleanup()
@@ -421,7 +342,7 @@ def _kb_stats(ctx: RunContext) -> dict[str, Any] | None:
 
 def _learn(ctx: RunContext, workspace, candidate: Candidate, state: RunState) -> None:
     """An accepted LLM rewrite becomes a `learned` recipe, so the next run needs no LLM for it."""
-    from trainbridge.agents.coder.llm import LearnedRecipeError, learned_recipe
+    from trainbridge.agents.coder.learned import LearnedRecipeError, learned_recipe
 
     try:
         recipe = learned_recipe(candidate, Intent.model_validate(state["current_intent"]), repo_root=workspace.repo.root,

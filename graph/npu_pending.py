@@ -1,65 +1,26 @@
-"""NPU runs: the port commit that opens them, and the pending branch where rewrites whose numerics
-passed on the emulation wait (one commit each, stacked) for `trainbridge verify` on an NPU host."""
+"""The pending branch of an NPU run without an NPU: rewrites whose numerics passed on the emulation
+wait there (one commit each, stacked) for `trainbridge verify` on an NPU host; and the detached view
+of its head the analyst reads."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
-from typing import Any
 
 from trainbridge.agents.coder.candidate import Candidate
 from trainbridge.graph.context import RunContext
+from trainbridge.sandbox.backends import npu_emulated
 
-
-def emulated_npu(ctx: RunContext) -> bool:
-    """No usable NPU here: the sandbox gives `npu` children the torch_npu emulation (the device maps to
-    the CPU), so their numerics are real but their times are never NPU speed."""
-    from trainbridge.sandbox.backends import probe
-
-    return not probe("npu").available
-
-
-PORT_CANDIDATE = "port-npu"
 PENDING_VIEW = "pending-view"
-
-
-def port_to_npu(ctx: RunContext, workspace) -> dict[str, Any]:
-    """First commit of an NPU run: the explicit, reviewable port (device strings, torch.cuda, nccl,
-    `import torch_npu`). Not a speed candidate: it is what makes the program run on the target at all,
-    and the baseline below is measured on it. Idempotent: a re-run finds nothing left to port."""
-    from trainbridge.tools.porting import port_repo
-    from trainbridge.tools.porting_cli import write_port
-
-    cand = workspace.start_candidate(PORT_CANDIDATE)
-    result = port_repo(Path(cand.path))
-    written = write_port(Path(cand.path), result)
-    blocking = [f"{s.file}:{s.line} {s.category}" for s in result.skipped if s.blocking]
-    commit = workspace.commit_candidate(PORT_CANDIDATE, f"trainbridge: port to the NPU ({len(result.changes)} change(s))\n\n"
-                                        f"Not ported (manual work): {', '.join(blocking) or 'nothing'}.")
-    if commit.empty:
-        workspace.reject_candidate(PORT_CANDIDATE)
-        return {"commit": None, "files": [], "not_ported": blocking}
-    accepted = workspace.accept_candidate(PORT_CANDIDATE)
-    ctx.say(f"ported to the NPU: {len(written)} file(s), commit {accepted.sha[:12]}")
-    return {"commit": accepted.sha, "files": written, "not_ported": blocking}
 
 
 def pending_head(ctx: RunContext, workspace) -> str | None:
     """On an emulated NPU, numerics-verified rewrites wait on the pending branch instead of the run
     branch: later candidates start from its content so the rewrites stack (and verify replays them)."""
-    if not (ctx.config.target == "npu" and emulated_npu(ctx)):
+    if not (ctx.config.target == "npu" and npu_emulated()):
         return None
     from trainbridge.tools.git_ops import side_branch_name
 
-    branch = side_branch_name(ctx.config.run_id, "pending-npu")
-    found = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}"], cwd=workspace.repo.root,
-                           capture_output=True, text=True)
-    return found.stdout.strip() or None
-
-
-def git(repo: Path, *args: str) -> str:
-    identity = ["-c", "user.name=TrainBridge", "-c", "user.email=trainbridge@localhost", "-c", "commit.gpgsign=false"]
-    return subprocess.run(["git", *identity, *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+    return workspace.ref_sha(side_branch_name(ctx.config.run_id, "pending-npu"))
 
 
 def stack_on_pending(ctx: RunContext, workspace, candidate: Candidate) -> tuple[str, str]:
@@ -70,18 +31,19 @@ def stack_on_pending(ctx: RunContext, workspace, candidate: Candidate) -> tuple[
 
     branch = side_branch_name(ctx.config.run_id, "pending-npu")
     repo = workspace.repo.root
-    head = pending_head(ctx, workspace)
-    tree = git(repo, "rev-parse", f"{candidate.sha}^{{tree}}")
-    if head is not None and git(repo, "rev-parse", f"{head}^{{tree}}") == tree:
-        return branch, head
-    message = git(repo, "log", "-1", "--format=%B", candidate.sha)
-    new = git(repo, "commit-tree", tree, "-p", head or candidate.base_sha, "-m", message)
-    git(repo, "update-ref", "-m", f"trainbridge: pending {candidate.name}", f"refs/heads/{branch}", new, head or "0" * 40)
+    with workspace.locked():  # the workspace lock and the trainbridge/ prefix check, like every ref we move
+        head = pending_head(ctx, workspace)
+        tree = workspace.git(repo, "rev-parse", f"{candidate.sha}^{{tree}}")
+        if head is not None and workspace.git(repo, "rev-parse", f"{head}^{{tree}}") == tree:
+            return branch, head
+        message = workspace.git(repo, "log", "-1", "--format=%B", candidate.sha)
+        new = workspace.git(repo, "commit-tree", tree, "-p", head or candidate.base_sha, "-m", message)
+        workspace.update_ref(branch, new, head or "", f"pending {candidate.name}")
     return branch, new
 
 
 def pending_view(workspace, sha: str) -> Path:
     """A detached worktree at the pending head, for the analyst to read (never committed to)."""
-    from trainbridge.graph.views import detached_view
+    from trainbridge.graph.detached_views import detached_view
 
     return detached_view(workspace, PENDING_VIEW, sha)

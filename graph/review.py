@@ -25,7 +25,6 @@ resume value needs something new; then a resume value of another version is refu
 
 from __future__ import annotations
 
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
@@ -100,16 +99,17 @@ def measured_so_far(state: dict[str, Any]) -> dict[str, Any]:
 def apply_edit(workspace, candidate, patch: str):
     """Replace the candidate's change by the reviewer's patch (against the run head) and re-commit."""
     from trainbridge.agents.coder.candidate import Candidate
+    from trainbridge.tools.git_ops import run_git_status
 
     cand = workspace.start_candidate(candidate.name)  # reset to the run head
     with tempfile.NamedTemporaryFile("w", suffix=".patch", delete=False) as handle:
         handle.write(patch if patch.endswith("\n") else patch + "\n")
     try:
-        applied = subprocess.run(["git", "apply", "--whitespace=nowarn", handle.name], cwd=cand.path, capture_output=True, text=True)
+        status, _, err = run_git_status(Path(cand.path), "apply", "--whitespace=nowarn", handle.name)
     finally:
         Path(handle.name).unlink(missing_ok=True)
-    if applied.returncode != 0:
-        raise ValueError(f"the edited patch does not apply to the run head: {applied.stderr.strip()}")
+    if status != 0:
+        raise ValueError(f"the edited patch does not apply to the run head: {err.strip()}")
     result = workspace.commit_candidate(candidate.name, f"trainbridge: {candidate.recipe_id or 'patch'} (edited in review)\n\n"
                                         f"Intent {candidate.intent_id} ({candidate.category}); the reviewer edited the patch.")
     if result.sha is None:

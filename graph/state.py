@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import operator
 import os
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from typing_extensions import TypedDict  # pydantic (the LangGraph server's schema export) needs it on Python < 3.12
 
-RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+from trainbridge.tools.git_names import check_run_id
+
 
 
 class RunConfig(BaseModel):
@@ -52,9 +52,7 @@ class RunConfig(BaseModel):
     @field_validator("run_id")
     @classmethod
     def _run_id(cls, value: str) -> str:
-        if not RUN_ID.match(value):
-            raise ValueError("run ids are 1-64 letters, digits, '_' or '-'")
-        return value
+        return check_run_id(value)  # the git layer's rule: an id valid here is a valid branch name there
 
 
 class RunState(TypedDict, total=False):

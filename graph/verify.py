@@ -6,7 +6,7 @@ that branch's commits in order, each as a fresh candidate on the current run-bra
 the full profiler gate with real timing. Accepted ones are fast-forwarded onto the run branch
 (one commit each, message kept, new trailer `verify-<candidate>`); the rest are dropped. Every
 decision goes to `<run dir>/verify.json` and to the knowledge base. When every pending commit is
-decided the pending branch is deleted. On a host without a usable NPU it refuses with the probe's
+decided the pending branch is deleted. On a host without a usable NPU it refuses with the availability check's
 reason: speed on an NPU is only ever claimed from an NPU.
 
 Crash-safe like the loop: decisions already in verify.json are skipped, a replay is committed with
@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-import git
 from pydantic import Field
 
 from trainbridge.records import Record
@@ -34,7 +33,7 @@ Decision = Literal["accepted", "rejected", "conflict", "already_applied"]
 
 
 class VerifyRefused(RuntimeError):
-    """Verification cannot run here (no usable NPU); the message carries the probe's reason."""
+    """Verification cannot run here (no usable NPU); the message carries the availability check's reason."""
 
 
 class VerifyError(RuntimeError):
@@ -61,7 +60,7 @@ class ReplayOutcome(Record):
 class VerifyReport(Record):
     run_id: str
     backend: str
-    probe_reason: str
+    availability_reason: str
     pending_branch: str
     run_head_before: str
     run_head_after: str
@@ -75,7 +74,7 @@ def verify_run(
     *,
     root: Path | None = None,
     backend: str = "npu",
-    probe: Callable[[str], Any] | None = None,
+    availability: Callable[[str], Any] | None = None,
     gate: Callable[..., Any] | None = None,
     rounds: int | None = None,
     min_gain: float | None = None,
@@ -85,22 +84,22 @@ def verify_run(
 ) -> VerifyReport:
     """Replay `trainbridge/<run_id>.pending-npu` through the full gate on `backend` (see module doc).
 
-    `probe(backend) -> Availability` decides whether the hardware is real (default:
-    sandbox.backends.probe); `gate` defaults to agents.profiler.gate.run_gate; rounds and
+    `availability(backend) -> Availability` decides whether the hardware is real (default:
+    sandbox.backends.availability); `gate` defaults to agents.profiler.gate.run_gate; rounds and
     min_gain default to the run's settings. `kb=None` records no knowledge-base outcomes.
     """
-    from trainbridge.graph.app import load_config
-    from trainbridge.sandbox.backends import probe as default_probe
+    from trainbridge.graph.runs import load_config
+    from trainbridge.sandbox.backends import availability as default_availability
 
     config, paths = load_config(run_id, root)
-    availability = (probe or default_probe)(backend)
-    if not availability.available:
-        raise VerifyRefused(f"cannot verify run {run_id} here: {backend} is not usable: {availability.reason}. Speed on "
+    found = (availability or default_availability)(backend)
+    if not found.available:
+        raise VerifyRefused(f"cannot verify run {run_id} here: {backend} is not usable: {found.reason}. Speed on "
                             f"an NPU is only measured on an NPU: run `trainbridge verify {run_id}` on an NPU host.")
-    from trainbridge.graph.app import run_lock
+    from trainbridge.graph.runs import run_lock
 
     with run_lock(paths):  # never while `run`/`resume`/`review` drive the same run's worktrees
-        return _verify(config, paths, availability, gate=gate, rounds=rounds, min_gain=min_gain, confidence=confidence,
+        return _verify(config, paths, found, gate=gate, rounds=rounds, min_gain=min_gain, confidence=confidence,
                        kb=kb, say=say, root=root, backend=backend)
 
 
@@ -115,16 +114,16 @@ def _verify(config, paths, availability, *, gate, rounds, min_gain, confidence, 
     record_path = paths.dir / "verify.json"
     decided = _load_record(record_path)
     head_before = workspace.head_sha
-    report = VerifyReport(run_id=run_id, backend=backend, probe_reason=availability.reason, pending_branch=side,
+    report = VerifyReport(run_id=run_id, backend=backend, availability_reason=availability.reason, pending_branch=side,
                           run_head_before=head_before, run_head_after=head_before, outcomes=list(decided.values()),
                           record_path=str(record_path))
-    pending_head = _ref_sha(workspace.repo.root, side)
+    pending_head = workspace.ref_sha(side)
     if pending_head is None:
         say(f"nothing to verify: {side} does not exist")
         return report
-    from trainbridge.tools.git_ops import _commits
+    from trainbridge.tools.git_ops import commits
 
-    pending = list(reversed(_commits(workspace.repo.root, pending_head, "--not", head_before)))
+    pending = list(reversed(commits(workspace.repo.root, pending_head, "--not", head_before)))
     known = _known_candidates(run_id, root)
     for commit in pending:
         if commit.sha in decided:
@@ -208,18 +207,14 @@ def replay_name(original: str | None, sha: str) -> str:
 
 def _cherry_pick(path: Path, sha: str, identity) -> tuple[bool, str]:
     """Apply `sha`'s change to the candidate worktree without committing; undo it all on failure."""
-    env = {**os.environ, "GIT_AUTHOR_NAME": identity.name, "GIT_AUTHOR_EMAIL": identity.email,
-           "GIT_COMMITTER_NAME": identity.name, "GIT_COMMITTER_EMAIL": identity.email, "GIT_EDITOR": "true"}
-    runner = git.Git(str(path))
-    status, _, err = runner.execute(["git", "-c", "core.hooksPath=/dev/null", "cherry-pick", "--no-commit", sha], env=env,
-                                    with_extended_output=True, with_exceptions=False)
+    from trainbridge.tools.git_ops import run_git_status
+
+    status, _, err = run_git_status(path, "cherry-pick", "--no-commit", sha, identity=identity)
     if status == 0:
         return True, ""
-    _, unmerged, _ = runner.execute(["git", "diff", "--name-only", "--diff-filter=U"], with_extended_output=True,
-                                    with_exceptions=False)
-    runner.execute(["git", "cherry-pick", "--quit"], with_extended_output=True, with_exceptions=False)
-    runner.execute(["git", "reset", "-q", "--hard", "HEAD"], with_extended_output=True, with_exceptions=False)
-    runner.execute(["git", "clean", "-fdq"], with_extended_output=True, with_exceptions=False)
+    _, unmerged, _ = run_git_status(path, "diff", "--name-only", "--diff-filter=U", identity=identity)
+    for undo in (("cherry-pick", "--quit"), ("reset", "-q", "--hard", "HEAD"), ("clean", "-fdq")):
+        run_git_status(path, *undo, identity=identity)
     if unmerged.split():
         return False, f"conflicts in {', '.join(unmerged.split())}"
     return False, (err or "").strip().splitlines()[0] if (err or "").strip() else f"git cherry-pick exited with {status}"
@@ -229,30 +224,24 @@ def _cherry_pick(path: Path, sha: str, identity) -> tuple[bool, str]:
 
 
 def _open_workspace(context):
-    from trainbridge.tools.git_ops import RunWorkspace, run_branch_name
+    from trainbridge.tools.git_ops import RunWorkspace, ref_sha, run_branch_name
 
     repo = context.user_repo
     branch = run_branch_name(context.config.run_id)
-    if _ref_sha(repo.root, branch) is None:
+    if ref_sha(repo.root, branch) is None:
         raise VerifyError(f"{repo.root} has no branch {branch}: run {context.config.run_id} made no run branch there "
                           "(was it started on another clone?)")
     # the run branch itself as the base: create_run then reuses the branch and its recorded base
     return RunWorkspace.create_run(repo, context.config.run_id, branch, workspace_root=context.paths.workspace)
 
 
-def _ref_sha(repo_root: Path, branch: str) -> str | None:
-    status, out, _ = git.Git(str(repo_root)).execute(["git", "rev-parse", "--verify", "-q", f"refs/heads/{branch}"],
-                                                       with_extended_output=True, with_exceptions=False)
-    return out.strip() if status == 0 else None
-
-
 def _drop_pending(workspace, side: str, expected: str) -> bool:
     """Delete the pending branch (compare-and-swap on the head we replayed) and the run's worktrees."""
     workspace.cleanup()  # the pending branch's worktree must go before its branch
-    if _ref_sha(workspace.repo.root, side) != expected:
+    if workspace.ref_sha(side) != expected:
         return False  # something was pushed meanwhile: keep it for the next verify
-    with workspace._locked():
-        workspace._update_ref(side, None, expected, "pending commits verified on hardware")
+    with workspace.locked():
+        workspace.update_ref(side, None, expected, "pending commits verified on hardware")
     return True
 
 
@@ -270,7 +259,7 @@ def _meta_from_message(message: str) -> dict[str, str]:
 
 def _known_candidates(run_id: str, root: Path | None) -> dict[str, dict]:
     """Candidate name -> intent, category and recipe from the run's checkpointed verdicts (when any)."""
-    from trainbridge.graph.app import run_status
+    from trainbridge.graph.runs import run_status
     from trainbridge.graph.state import RunPaths
 
     if not RunPaths(run_id, root).checkpoints.is_file():

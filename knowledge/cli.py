@@ -3,7 +3,7 @@
 A typer sub-app; the main CLI mounts it with ``app.add_typer(kb_app, name="kb")``.
 Every command takes ``--kb-dir`` (a local knowledge base directory) or ``--kb-url`` (a Chroma
 server shared by a team); without either, $TRAINBRIDGE_KB_URL if set, else the local default
-directory ($TRAINBRIDGE_KB_DIR, else $XDG_DATA_HOME/trainbridge/kb, else
+directory ($TRAINBRIDGE_KB_DIR, else $TRAINBRIDGE_HOME/kb, else $XDG_DATA_HOME/trainbridge/kb, else
 ~/.local/share/trainbridge/kb).
 Exit codes: 0 done, 1 the knowledge base failed, 2 bad input (a malformed recipe or file).
 """
@@ -45,7 +45,7 @@ KbDir = Annotated[
     Optional[Path],
     typer.Option(
         "--kb-dir",
-        help="Local knowledge base directory (default: $TRAINBRIDGE_KB_DIR, else $XDG_DATA_HOME/trainbridge/kb).",
+        help="Local knowledge base directory (default: $TRAINBRIDGE_KB_DIR, else $TRAINBRIDGE_HOME/kb, else $XDG_DATA_HOME/trainbridge/kb).",
         file_okay=False,
     ),
 ]

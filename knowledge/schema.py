@@ -340,6 +340,16 @@ def _canonical_json(data: Any) -> str:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+class OutcomeHit(_Model):
+    """One past outcome found near an intent's evidence (what the store's nearest-outcome query gives
+    the retrieval agent's ranking)."""
+
+    recipe_id: str
+    accepted: bool
+    similarity: float
+    ratio: float | None = None
+
+
 class RecipeFileError(ValueError):
     """A recipe file that cannot be loaded; the message names the file and the field."""
 

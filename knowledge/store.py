@@ -1,6 +1,6 @@
 """The knowledge base: recipes and outcomes in Chroma, embedded on disk or on a team server.
 
-    kb = KnowledgeBase()                              # $TRAINBRIDGE_KB_DIR, else XDG data dir
+    kb = KnowledgeBase()                              # $TRAINBRIDGE_KB_DIR, $TRAINBRIDGE_HOME/kb, else XDG data dir
     kb = KnowledgeBase("/data/kb")                    # a given directory
     kb = KnowledgeBase.connect("http://kb-host:8000") # a Chroma server shared by a team
 
@@ -32,8 +32,7 @@ from pydantic import BaseModel, ConfigDict
 
 from trainbridge.knowledge import embeddings
 from trainbridge.knowledge.jsonl import read_jsonl, write_jsonl
-from trainbridge.knowledge.ranking import OutcomeHit, RankedRecipe, category_part, rank
-from trainbridge.knowledge.schema import Outcome, Recipe, Target, evidence_text, load_recipe_dir
+from trainbridge.knowledge.schema import Outcome, OutcomeHit, Recipe, Target, evidence_text, load_recipe_dir
 from trainbridge.records import Intent
 
 RECIPES = "trainbridge_recipes"
@@ -75,10 +74,14 @@ class KBStats(_Model):
 
 
 def default_kb_dir() -> Path:
-    """$TRAINBRIDGE_KB_DIR, else $XDG_DATA_HOME/trainbridge/kb, else ~/.local/share/trainbridge/kb."""
+    """$TRAINBRIDGE_KB_DIR, else $TRAINBRIDGE_HOME/kb (beside its runs/), else $XDG_DATA_HOME/trainbridge/kb,
+    else ~/.local/share/trainbridge/kb."""
     env = os.environ.get("TRAINBRIDGE_KB_DIR")
     if env:
         return Path(env).expanduser()
+    home = os.environ.get("TRAINBRIDGE_HOME")
+    if home:
+        return Path(home).expanduser() / "kb"
     xdg = os.environ.get("XDG_DATA_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share"
     return base / "trainbridge" / "kb"
@@ -400,17 +403,17 @@ class KnowledgeBase:
         )
         return outcomes[-limit:] if limit else outcomes
 
-    # -- ranking -----------------------------------------------------------------------------
+    # -- the retrieval agent's query --------------------------------------------------------
 
-    def rank_recipes(
-        self, intent: Intent, target: str, n: int = 5, *, strict_target: bool = True
-    ) -> list[RankedRecipe]:
-        """Recipes for ``intent`` on ``target``, best first, with the parts of each score explained.
+    def ranking_inputs(
+        self, intent: Intent, target: str, *, categories: set[str], strict_target: bool = True
+    ) -> tuple[list[tuple[Recipe, float]], list[OutcomeHit]]:
+        """What the retrieval agent ranks for ``intent`` on ``target`` (agents/retrieval/rank.py).
 
-        Candidates: every recipe of the intent's (or a related) category plus the recipes most
-        similar to its evidence; with ``strict_target`` only recipes written for ``target``.
-        Past outcomes: the nearest ``RANK_OUTCOMES`` on this backend for this intent category.
-        Scoring is in `knowledge.ranking`.
+        Candidates, each with its cosine similarity to the intent's evidence: every recipe of one of
+        ``categories`` plus the ``RANK_CANDIDATES`` most similar; with ``strict_target`` only recipes
+        written for ``target``. Hits: the nearest ``RANK_OUTCOMES`` judged outcomes on this backend
+        for this intent category, of those candidates.
         """
         self._ready()
         backend = Target(target)
@@ -421,13 +424,13 @@ class KnowledgeBase:
         sims = matrix @ query
         usable = [i for i, m in enumerate(metas) if not strict_target or self._fits(m, None, backend)]
         by_similarity = sorted(usable, key=lambda i: -float(sims[i]))[:RANK_CANDIDATES]
-        same_category = [i for i in usable if category_part(metas[i]["category"], str(intent.category)) > 0]
+        same_category = [i for i in usable if metas[i]["category"] in categories]
         candidates: dict[str, tuple[Recipe, float]] = {}
         for i in same_category + by_similarity:
             recipe = Recipe.model_validate_json(metas[i]["record"])
             candidates.setdefault(recipe.id, (recipe, float(sims[i])))
         if not candidates:
-            return []
+            return [], []
 
         # The nearest outcomes on this backend for this kind of intent: one equality filter (scope)
         # is far cheaper in Chroma than backend AND category AND recipe_id IN (...).
@@ -447,7 +450,7 @@ class KnowledgeBase:
             for meta, dist in zip(past["metadatas"][0], past["distances"][0])
             if meta["recipe_id"] in candidates and not meta.get("pending")  # not judged yet: no evidence either way
         ]
-        return rank(candidates.values(), hits, str(intent.category), backend)[:n]
+        return list(candidates.values()), hits
 
     # -- exchange and statistics -------------------------------------------------------------
 

@@ -2,9 +2,9 @@
 
 Shared code asks a `Backend` instead of naming `torch.cuda` or `torch.npu`; the device module is
 resolved once through `torch.get_device_module`. Methods that touch torch run inside the sandbox
-child; `child_env`, `probe` and `npu_selection` run in the parent.
+child; `child_env`, `availability` and `npu_selection` run in the parent.
 
-NPU probing (`probe("npu")`) answers one question: can this host time training steps on a real
+The NPU availability check (`availability("npu")`) answers one question: can this host time training steps on a real
 NPU? Its reasons are precise: torch_npu not installed, installed but failing to import (with the
 error), the CANN toolkit missing (libhccl and friends), torch and torch_npu versions that do not
 match (torch_npu pins torch's release exactly), or no NPU device visible. It runs in subprocesses
@@ -45,7 +45,7 @@ _MARK = "TRAINBRIDGE_NPU_VERSIONS:"
 _SELECTION_HINT = re.compile(r"\(a missing libhccl\.so means[^)]*\)")  # select_torch_npu's advice, not the error
 
 
-class ProbeCause(StrEnum):
+class AvailabilityCause(StrEnum):
     available = "available"
     not_installed = "not_installed"  # no torch_npu for this interpreter
     import_failed = "import_failed"  # torch_npu is there but `import torch_npu` raised
@@ -60,7 +60,7 @@ class ProbeCause(StrEnum):
 class Availability:
     available: bool
     reason: str
-    cause: ProbeCause = ProbeCause.available
+    cause: AvailabilityCause = AvailabilityCause.available
     versions: dict[str, str] = field(default_factory=dict)
 
 
@@ -138,7 +138,7 @@ def _current_rss() -> int:
 # --- parent side: probing -----------------------------------------------------------------------
 
 
-def probe(name: str, *, python: str | None = None, env: Mapping[str, str] | None = None) -> Availability:
+def availability(name: str, *, python: str | None = None, env: Mapping[str, str] | None = None) -> Availability:
     """Whether a backend can run here, with a precise reason when it cannot (parent side).
 
     For "npu", `python` and `env` name the interpreter and environment to probe (default: this
@@ -148,23 +148,29 @@ def probe(name: str, *, python: str | None = None, env: Mapping[str, str] | None
     if name == "cpu":
         return Availability(True, "the CPU is always available")
     if name == "cuda":
-        return _probe_cuda()
+        return _cuda_availability()
     if python is None and env is None:
-        return _default_npu_probe()
-    return probe_npu(python or sys.executable, env=npu_probe_env() if env is None else env)
+        return _default_npu_availability()
+    return npu_availability(python or sys.executable, env=npu_check_env() if env is None else env)
 
 
-def _probe_cuda() -> Availability:
+def npu_emulated() -> bool:
+    """No usable NPU here: the sandbox gives `npu` children the torch_npu emulation (the device maps to
+    the CPU), so their numerics are real but their times are never NPU speed."""
+    return not availability("npu").available
+
+
+def _cuda_availability() -> Availability:
     import torch
 
     if not torch.backends.cuda.is_built():
-        return Availability(False, f"this torch ({torch.__version__}) is built without CUDA", ProbeCause.not_built)
+        return Availability(False, f"this torch ({torch.__version__}) is built without CUDA", AvailabilityCause.not_built)
     if not torch.cuda.is_available():
-        return Availability(False, "torch has CUDA support but no CUDA device is visible", ProbeCause.no_device)
+        return Availability(False, "torch has CUDA support but no CUDA device is visible", AvailabilityCause.no_device)
     return Availability(True, f"{torch.cuda.device_count()} CUDA device(s)")
 
 
-def npu_probe_env() -> dict[str, str]:
+def npu_check_env() -> dict[str, str]:
     """The environment an NPU sandbox child starts with (before per-run seeds and threads)."""
     from trainbridge.sandbox.isolation import scrubbed_env
 
@@ -172,34 +178,34 @@ def npu_probe_env() -> dict[str, str]:
 
 
 @functools.cache
-def _default_npu_probe() -> Availability:
-    return probe_npu(sys.executable, env=npu_probe_env(), select=npu_selection)
+def _default_npu_availability() -> Availability:
+    return npu_availability(sys.executable, env=npu_check_env(), select=npu_selection)
 
 
 @functools.cache
 def npu_selection():
     """The emulation layer's choice (real torch_npu or the CPU stand-in) for this interpreter and
-    the child environment; probed once per process. Runner and probe share it."""
+    the child environment; probed once per process. The runner and the availability check share it."""
     from trainbridge.sandbox.npu_emulation import select_torch_npu
 
-    return select_torch_npu(sys.executable, env=npu_probe_env())
+    return select_torch_npu(sys.executable, env=npu_check_env())
 
 
-def probe_npu(python: str, *, env: Mapping[str, str], select: Callable[[], Any] | None = None,
+def npu_availability(python: str, *, env: Mapping[str, str], select: Callable[[], Any] | None = None,
               timeout_s: float = 60.0) -> Availability:
     """Probe `python` under `env` for a usable real NPU (see the module doc for the order of checks).
     `select` gives the emulation layer's selection when the cheap checks pass (default: probe now)."""
     report = _version_report(python, env, timeout_s)
     if report is None:
         return Availability(False, f"could not run {python} to read torch/torch_npu versions; the NPU is treated as "
-                            "unavailable", ProbeCause.probe_failed)
+                            "unavailable", AvailabilityCause.probe_failed)
     versions = {k: v for k, v in (("torch", report.get("torch")), ("torch_npu", report.get("torch_npu"))) if v}
     if not report.get("found"):
         return Availability(False, f"torch_npu is not installed for {python} (pip install torch-npu matching torch "
-                            f"{versions.get('torch', '?')}, on a host with the CANN toolkit)", ProbeCause.not_installed, versions)
+                            f"{versions.get('torch', '?')}, on a host with the CANN toolkit)", AvailabilityCause.not_installed, versions)
     mismatch = version_mismatch(versions.get("torch"), versions.get("torch_npu"))
     if mismatch:
-        return Availability(False, f"{mismatch} (torch_npu at {report.get('origin', '?')})", ProbeCause.version_mismatch, versions)
+        return Availability(False, f"{mismatch} (torch_npu at {report.get('origin', '?')})", AvailabilityCause.version_mismatch, versions)
     if select is None:
         from trainbridge.sandbox.npu_emulation import select_torch_npu
 
@@ -209,12 +215,12 @@ def probe_npu(python: str, *, env: Mapping[str, str], select: Callable[[], Any] 
 
 def _from_selection(selection, versions: dict[str, str]) -> Availability:
     if selection.mode == "real":
-        return Availability(True, selection.reason, ProbeCause.available, versions)
-    cause = {"not_installed": ProbeCause.not_installed, "import_failed": ProbeCause.import_failed,
-             "no_device": ProbeCause.no_device}.get(selection.cause, ProbeCause.probe_failed)
+        return Availability(True, selection.reason, AvailabilityCause.available, versions)
+    cause = {"not_installed": AvailabilityCause.not_installed, "import_failed": AvailabilityCause.import_failed,
+             "no_device": AvailabilityCause.no_device}.get(selection.cause, AvailabilityCause.probe_failed)
     reason = selection.reason.removesuffix("; using the CPU emulation")
-    if cause == ProbeCause.import_failed and _CANN_MISSING.search(_SELECTION_HINT.sub("", selection.reason)):
-        cause = ProbeCause.no_cann
+    if cause == AvailabilityCause.import_failed and _CANN_MISSING.search(_SELECTION_HINT.sub("", selection.reason)):
+        cause = AvailabilityCause.no_cann
         error = _SELECTION_HINT.sub("", reason).split(" failed to import: ", 1)[-1].strip()
         reason = (f"the CANN toolkit is not set up: importing torch_npu failed with {error} (install CANN and "
                   "`source <cann>/set_env.sh` before starting trainbridge)")
@@ -352,3 +358,9 @@ def _returns_graph_unchanged(backend) -> bool:
 
     graph = torch.fx.symbolic_trace(_One())
     return backend(graph, [torch.ones(2)]) is graph
+
+
+# Old names: "probe" also means the profiler's gradient capture (agents/profiler/probe_*.py), so the
+# backend side is called availability. Kept for callers on branches in flight; remove after the merge.
+probe = availability
+ProbeCause = AvailabilityCause

@@ -7,6 +7,7 @@ import importlib
 import itertools
 import json
 import re
+import statistics
 import sys
 from collections import Counter
 from pathlib import Path
@@ -311,8 +312,13 @@ def test_a_slowdown_is_planted_in_any_entry_workload(tmp_path):
         "    return {'model': model, 'optimizer': opt, 'batch': batch, 'loss_fn': loss_fn, 'train_step': train_step}\n")
     slow = bench("gate_calibration").planted_variant(source, tmp_path / "slow", 1.0)
     assert slow.config.entry == "tb_planted_slowdown:entry" and (source / "trainbridge.toml").read_text().startswith('entry = "train:entry"')
-    plain_run, slow_run = (run_workload(w, mode="measure") for w in (bench("gate_calibration").load_workload(source), slow))
-    assert plain_run.failure is None and slow_run.failure is None
-    assert plain_run.losses == slow_run.losses  # the same work, only slower
-    ratio = (sorted(slow_run.step_times_s)[3]) / (sorted(plain_run.step_times_s)[3])
-    assert 1.6 < ratio < 2.6, ratio
+    plain = bench("gate_calibration").load_workload(source)
+    # interleaved A B B A: two sequential runs each saw a different machine load (the band flaked on a
+    # loaded 2-core machine); each pair's ratio sees the same moment, and the median of the two pairs
+    # is what is checked
+    runs = [run_workload(w, mode="measure") for w in (plain, slow, slow, plain)]
+    assert all(r.failure is None for r in runs), [r.failure for r in runs]
+    assert runs[0].losses == runs[1].losses  # the same work, only slower
+    medians = [statistics.median(r.step_times_s) for r in runs]
+    ratio = statistics.median([medians[1] / medians[0], medians[2] / medians[3]])
+    assert 1.6 < ratio < 2.6, (ratio, medians)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,3 +37,34 @@ def test_measure_reports_failures_with_exit_code_1_and_bad_input_with_2():
     assert bad.returncode == 2 and "unknown key 'setps'" in bad.stderr
     unknown = trainbridge("measure", "no_such_example")
     assert unknown.returncode == 2 and "bundled" in unknown.stderr
+
+
+def test_demo_uses_a_knowledge_base_of_its_own_unless_told(tmp_path, monkeypatch):
+    """The demo's verdicts must not land in the user's knowledge base: by default it gets a fresh one
+    beside the demo repository; --kb-dir / --kb-url choose another. (The loop itself is stubbed: a
+    demo runs for 13 minutes.)"""
+    from typer.testing import CliRunner
+
+    from trainbridge.graph import runs
+    from trainbridge.graph.cli import build_app
+
+    seen = []
+
+    def fake_start_run(config, **kwargs):
+        seen.append(config)
+        return runs.RunOutcome(config.run_id, True, None, {"run_branch": f"trainbridge/{config.run_id}", "stop_reason": "stub"})
+
+    monkeypatch.setattr(runs, "start_run", fake_start_run)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("TRAINBRIDGE_HOME", str(tmp_path / "home"))
+    app = build_app()
+    assert CliRunner().invoke(app, ["demo", "llama_pretrain"]).exit_code == 0
+    own = Path(seen[-1].kb_dir)
+    assert own.parent == Path(seen[-1].repo).parent and own.name == "kb" and seen[-1].kb_url is None
+    assert own != tmp_path / "home" / "kb"  # not the user's default
+    assert CliRunner().invoke(app, ["demo", "llama_pretrain", "--kb-dir", str(tmp_path / "mine")]).exit_code == 0
+    assert seen[-1].kb_dir == str((tmp_path / "mine").resolve())
+    assert CliRunner().invoke(app, ["demo", "llama_pretrain", "--kb-url", "http://kb-host:8000"]).exit_code == 0
+    assert seen[-1].kb_url == "http://kb-host:8000" and seen[-1].kb_dir is None
+    for config in seen:  # the demo's temporary repositories
+        shutil.rmtree(Path(config.repo).parent, ignore_errors=True)

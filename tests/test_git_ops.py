@@ -559,9 +559,9 @@ class _Killed(BaseException):
 
 
 def _kill_after(monkeypatch, calls: int) -> list[int]:
-    from trainbridge.tools import git_ops
+    from trainbridge.tools import git_runner
 
-    real, count = git_ops._git_status, [0]
+    real, count = git_runner._git_status, [0]
 
     def counting(*args, **kwargs):
         result = real(*args, **kwargs)
@@ -570,7 +570,7 @@ def _kill_after(monkeypatch, calls: int) -> list[int]:
             raise _Killed
         return result
 
-    monkeypatch.setattr(git_ops, "_git_status", counting)
+    monkeypatch.setattr(git_runner, "_git_status", counting)  # the one place a git process starts
     return count
 
 

@@ -14,15 +14,13 @@ import pytest
 
 from trainbridge.records import KernelKind, Phase
 from trainbridge.tools.evidence_pack import EvidencePackError, read_pack, write_pack
-from trainbridge.tools.inductor_parser import (
-    EvidenceFormatError,
-    RepoPathMapper,
-    _kernel_name_ops,
-    parse_chrome_trace,
-    parse_evidence_dir,
-    parse_output_code,
-    parse_post_fusion,
-)
+from trainbridge.tools.inductor_format import EvidenceFormatError
+from trainbridge.tools.inductor_fx import parse_post_fusion
+from trainbridge.tools.inductor_groups import kernel_name_ops
+from trainbridge.tools.inductor_output_code import parse_output_code
+from trainbridge.tools.inductor_parser import parse_evidence_dir
+from trainbridge.tools.inductor_trace import parse_chrome_trace
+from trainbridge.tools.repo_paths import RepoPathMapper
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "inductor"
@@ -271,9 +269,9 @@ def test_post_fusion_skips_nested_nodes():
 
 def test_kernel_name_split_uses_the_graph_vocabulary():
     vocab = {"_unsafe_view", "add", "mean", "mul", "pow", "rsqrt", "view"}
-    assert _kernel_name_ops("cpp_fused__unsafe_view_add_mean_mul_pow_rsqrt_4", vocab) == [
+    assert kernel_name_ops("cpp_fused__unsafe_view_add_mean_mul_pow_rsqrt_4", vocab) == [
         "aten._unsafe_view", "aten.add", "aten.mean", "aten.mul", "aten.pow", "aten.rsqrt"]
-    assert _kernel_name_ops("triton_poi_fused_add_gelu_3", vocab) == []  # gelu unknown: no guess
+    assert kernel_name_ops("triton_poi_fused_add_gelu_3", vocab) == []  # gelu unknown: no guess
 
 
 def test_path_mapper_prefers_longest_suffix_and_drops_library_paths(tmp_path):

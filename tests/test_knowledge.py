@@ -23,6 +23,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from trainbridge.agents.retrieval.rank import rank_recipes
 from trainbridge.knowledge.cli import kb_app
 from trainbridge.knowledge.embeddings import HashedCodeEmbedding, embed_text
 from trainbridge.knowledge.jsonl import KBFileError
@@ -258,10 +259,13 @@ def test_embedding_function_implements_chroma_protocol():
 
 def test_default_dir_reads_the_environment_when_called_not_at_import(monkeypatch, tmp_path):
     monkeypatch.delenv("TRAINBRIDGE_KB_DIR", raising=False)
+    monkeypatch.delenv("TRAINBRIDGE_HOME", raising=False)
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
     assert default_kb_dir() == tmp_path / "xdg" / "trainbridge" / "kb"
     monkeypatch.delenv("XDG_DATA_HOME")
     assert default_kb_dir() == Path.home() / ".local" / "share" / "trainbridge" / "kb"
+    monkeypatch.setenv("TRAINBRIDGE_HOME", str(tmp_path / "home"))  # the knowledge base lives beside the runs
+    assert default_kb_dir() == tmp_path / "home" / "kb"
     monkeypatch.setenv("TRAINBRIDGE_KB_DIR", str(tmp_path / "team"))
     assert default_kb_dir() == tmp_path / "team"
     with KnowledgeBase() as base:
@@ -375,17 +379,17 @@ def test_search_finds_recipes_from_code_and_kernel_names(kb):
 
 def test_ranking_prefers_category_and_backend(kb):
     rms = intent("rmsnorm", RMSNORM_EVIDENCE)
-    npu = kb.rank_recipes(rms, "npu")
+    npu = rank_recipes(kb, rms, "npu")
     assert npu[0].recipe.id == "rmsnorm-npu-rms-norm"
     assert all("npu" in r.recipe.targets for r in npu)  # strict: only recipes written for npu
     assert npu[0].parts.category == 1.0 and npu[0].parts.target == 1.0
     assert "category rmsnorm = intent" in npu[0].explanation and "no similar outcomes yet" in npu[0].explanation
-    assert kb.rank_recipes(rms, "cpu")[0].recipe.id == "rmsnorm-f-rms-norm"
-    loose = kb.rank_recipes(rms, "npu", n=10, strict_target=False)
+    assert rank_recipes(kb, rms, "cpu")[0].recipe.id == "rmsnorm-f-rms-norm"
+    loose = rank_recipes(kb, rms, "npu", n=10, strict_target=False)
     assert [r.recipe.id for r in loose[:2]] == ["rmsnorm-npu-rms-norm", "rmsnorm-f-rms-norm"]
     assert "not written for npu" in loose[1].explanation and loose[1].parts.target == 0.0
-    assert kb.rank_recipes(intent("gelu", GELU_EVIDENCE), "npu")[0].recipe.id == "gelu-tanh-functional"
-    assert kb.rank_recipes(intent("optimizer_step", ADAMW_EVIDENCE), "npu")[0].recipe.id == "adamw-npu-fused"
+    assert rank_recipes(kb, intent("gelu", GELU_EVIDENCE), "npu")[0].recipe.id == "gelu-tanh-functional"
+    assert rank_recipes(kb, intent("optimizer_step", ADAMW_EVIDENCE), "npu")[0].recipe.id == "adamw-npu-fused"
     assert [r.score for r in loose] == sorted((r.score for r in loose), reverse=True)
     assert all(abs(r.score - r.parts.total()) < 1e-9 for r in loose)
 
@@ -399,24 +403,24 @@ def test_ranking_learns_from_outcomes_on_similar_evidence(kb):
     })
     kb.add_recipe(alt)
     rms = intent("rmsnorm", RMSNORM_EVIDENCE)
-    before = [r.recipe.id for r in kb.rank_recipes(rms, "npu", n=2)]
+    before = [r.recipe.id for r in rank_recipes(kb, rms, "npu", n=2)]
     # rejections of the front-runner on *dissimilar* evidence (an optimizer region) change nothing
     kb.record_outcomes([
         outcome(before[0], "numerics mismatch", category="optimizer_step", evidence=ADAMW_EVIDENCE, minutes=i)
         for i in range(5)
     ])
-    assert [r.recipe.id for r in kb.rank_recipes(rms, "npu", n=2)] == before
+    assert [r.recipe.id for r in rank_recipes(kb, rms, "npu", n=2)] == before
     # ... and on cpu runs neither
     kb.record_outcomes([outcome(before[0], "slower", backend="cpu", minutes=10 + i) for i in range(5)])
-    assert [r.recipe.id for r in kb.rank_recipes(rms, "npu", n=2)] == before
+    assert [r.recipe.id for r in rank_recipes(kb, rms, "npu", n=2)] == before
     # pending NPU verdicts (numerics verified on the emulation, speed unmeasured) are no evidence either way
     kb.record_outcomes([outcome(before[0], "speed_unmeasured_numerics_ok: numerics match", minutes=40 + i) for i in range(4)])
-    unjudged = kb.rank_recipes(rms, "npu", n=2)
+    unjudged = rank_recipes(kb, rms, "npu", n=2)
     assert [r.recipe.id for r in unjudged] == before and unjudged[0].parts.similar_outcomes == 0.0
     # rejections on the same kind of region on npu, and acceptances of the other, flip the order
     kb.record_outcomes([outcome(before[0], "slower: ratio 1.04", minutes=20 + i, ratio=1.04) for i in range(3)])
     kb.record_outcomes([outcome(before[1], "accepted", minutes=30 + i, ratio=0.82) for i in range(2)])
-    after = kb.rank_recipes(rms, "npu", n=2)
+    after = rank_recipes(kb, rms, "npu", n=2)
     assert [r.recipe.id for r in after] == before[::-1]
     assert after[0].parts.similar_outcomes == pytest.approx(2.0, abs=0.01)
     assert after[0].parts.accept_rate == pytest.approx(3 / 4, abs=0.01)
@@ -450,7 +454,7 @@ def test_export_import_round_trips_exactly_and_is_idempotent(tmp_path):
     assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
     with KnowledgeBase(tmp_path / "c", seed_dir=None) as c:  # a really empty knowledge base
         assert c.list_recipes() == [] and c.search("x.pow(2)") == []
-        assert c.rank_recipes(intent("rmsnorm", RMSNORM_EVIDENCE), "npu") == []
+        assert rank_recipes(c, intent("rmsnorm", RMSNORM_EVIDENCE), "npu") == []
         c.import_jsonl(tmp_path / "a.jsonl")
         assert c.list_recipes() == recipes_a and c.all_outcomes() == outcomes_a
 
@@ -580,7 +584,7 @@ def test_knowledge_base_on_a_real_chroma_server(chroma_server, tmp_path, seeds):
         assert kb.location == chroma_server
         assert len(kb.list_recipes()) == len(OWN_SEEDS)
         kb.record_outcome(outcome("rmsnorm-npu-rms-norm", "accepted", ratio=0.75))
-        assert kb.rank_recipes(intent("rmsnorm", RMSNORM_EVIDENCE), "npu")[0].recipe.id == "rmsnorm-npu-rms-norm"
+        assert rank_recipes(kb, intent("rmsnorm", RMSNORM_EVIDENCE), "npu")[0].recipe.id == "rmsnorm-npu-rms-norm"
         kb.export_jsonl(tmp_path / "server.jsonl")
     with KnowledgeBase.connect(chroma_server) as again:  # a second client sees the same data
         assert again.get_recipe("rmsnorm-npu-rms-norm").stats.best_ratio == 0.75

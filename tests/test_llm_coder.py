@@ -19,16 +19,11 @@ import git
 import pytest
 from pydantic import SecretStr
 
-from trainbridge.agents.coder import llm as llm_module
+from trainbridge.agents.coder import llm_client
 from trainbridge.agents.coder.candidate import Candidate, CoderRefusal
-from trainbridge.agents.coder.llm import (
-    LearnedRecipeError,
-    PatchRejected,
-    learned_recipe,
-    llm_candidate,
-    locate,
-    parse_reply,
-)
+from trainbridge.agents.coder.learned import LearnedRecipeError, learned_recipe
+from trainbridge.agents.coder.llm import llm_candidate
+from trainbridge.agents.coder.llm_reply import PatchRejected, locate, parse_reply
 from trainbridge.agents.coder.llm_config import LLMConfig, LLMConfigError
 from trainbridge.records import Evidence, Intent, IntentCategory, IntentSource, SourceSpan
 from trainbridge.tools.codemods.engine import CodemodRefused, apply_recipe
@@ -88,6 +83,7 @@ class FakeOpenAI:
     def __init__(self) -> None:
         self.script: list[tuple[int, str]] = []
         self.requests: list[dict] = []
+        self.retry_after: dict[int, str] = {}  # request index -> Retry-After header value
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -98,7 +94,9 @@ class FakeOpenAI:
                     return self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
                 status, text = fake.script.pop(0) if fake.script else (500, "the test scripted no more replies")
                 if status != 200:
-                    return self._send(status, {"error": {"message": text, "type": "server_error", "code": None}})
+                    retry_after = fake.retry_after.get(len(fake.requests) - 1)
+                    return self._send(status, {"error": {"message": text, "type": "server_error", "code": None}},
+                                      {"Retry-After": retry_after} if retry_after else {})
                 self._send(200, {
                     "id": f"chatcmpl-{len(fake.requests)}", "object": "chat.completion", "created": 1700000000,
                     "model": body.get("model", "?"),
@@ -106,9 +104,11 @@ class FakeOpenAI:
                     "usage": {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20},
                 })
 
-            def _send(self, status: int, payload: dict) -> None:
+            def _send(self, status: int, payload: dict, headers: dict | None = None) -> None:
                 data = json.dumps(payload).encode()
                 self.send_response(status)
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -135,6 +135,15 @@ def server():
     yield fake
     fake.server.shutdown()
     fake.server.server_close()
+
+
+@pytest.fixture
+def waits(monkeypatch):
+    """The client's backoff waits, recorded instead of slept."""
+
+    recorded: list[float] = []
+    monkeypatch.setattr(llm_client, "_sleep", recorded.append)
+    return recorded
 
 
 @pytest.fixture(autouse=True)
@@ -253,6 +262,10 @@ def test_config_from_env():
     assert LLMConfig.from_env({"TRAINBRIDGE_LLM_BASE_URL": "http://10.0.0.2:8000/v1", "TRAINBRIDGE_LLM_MODEL": "m"}).key_value() == "no-key"
     with pytest.raises(LLMConfigError, match="TRAINBRIDGE_LLM_MODEL"):
         LLMConfig.from_env({"TRAINBRIDGE_LLM_BASE_URL": "http://127.0.0.1:8000/v1"})
+    assert LLMConfig.from_env({"TRAINBRIDGE_LLM_MODEL": "m", "TRAINBRIDGE_LLM_BASE_URL": "http://h/v1",
+                               "TRAINBRIDGE_LLM_RETRIES": "7"}).transport_retries == 7
+    with pytest.raises(LLMConfigError, match="TRAINBRIDGE_LLM_RETRIES"):
+        LLMConfig.from_env({"TRAINBRIDGE_LLM_MODEL": "m", "TRAINBRIDGE_LLM_BASE_URL": "http://h/v1", "TRAINBRIDGE_LLM_RETRIES": "-1"})
     with pytest.raises(LLMConfigError, match="TRAINBRIDGE_LLM_TIMEOUT"):
         LLMConfig.from_env({"TRAINBRIDGE_LLM_MODEL": "m", "TRAINBRIDGE_LLM_BASE_URL": "http://h/v1", "TRAINBRIDGE_LLM_TIMEOUT": "soon"})
     with pytest.raises(LLMConfigError, match="TRAINBRIDGE_LLM_BASE_URL"):
@@ -285,7 +298,7 @@ def test_unconfigured_path_constructs_no_client(monkeypatch, workspace, user_rep
     assert_nothing_landed(workspace, user_repo, before)
     # the same patch point does catch a construction, so the assertion above can fail
     with pytest.raises(AssertionError, match="constructed"):
-        llm_module.make_chat(LLMConfig(model="m", base_url="http://127.0.0.1:9/v1"))
+        llm_client.make_chat(LLMConfig(model="m", base_url="http://127.0.0.1:9/v1"))
 
 
 # --- a valid patch ----------------------------------------------------------------------------------
@@ -449,17 +462,29 @@ def test_import_check_is_inconclusive_when_the_module_never_imported(server, wor
 # --- the server misbehaves ---------------------------------------------------------------------------
 
 
-def test_server_errors_are_retried_then_given_up(server, workspace, user_repo):
+def test_server_errors_are_retried_with_backoff_in_the_client_then_given_up(server, workspace, user_repo, waits):
+    """Transport retries belong to the client (with backoff and a limit), not to the patch budget: five
+    500s with four retries are one request failure that ends the turn, not three patch attempts."""
     before = snapshot(user_repo)
-    server.script = [(500, "upstream exploded")] * 3
-    refusal = llm_candidate(workspace, make_intent(), config_for(server))
+    server.script = [(500, "upstream exploded")] * 5
+    refusal = llm_candidate(workspace, make_intent(), config_for(server, transport_retries=4))
     assert isinstance(refusal, CoderRefusal)
-    assert refusal.reason.count("HTTP 500") == 3 and "[request]" in refusal.reason
-    assert len(server.requests) == 3, "the client's own retries must be off: one request per attempt"
+    assert "in 1 attempt(s)" in refusal.reason and "no reply after 5 request(s)" in refusal.reason, refusal.reason
+    assert "HTTP 500" in refusal.reason and "TRAINBRIDGE_LLM_RETRIES" in refusal.reason
+    assert len(server.requests) == 5 and waits == [1.0, 2.0, 4.0, 8.0]  # exponential backoff between them
     assert_nothing_landed(workspace, user_repo, before)
 
 
-def test_a_500_then_a_valid_reply_lands(server, workspace):
+def test_a_rate_limit_waits_as_the_server_asks_and_costs_no_patch_attempt(server, workspace, waits):
+    server.script = [(429, "slow down"), (503, "overloaded"), (200, "no blocks here"), (200, VALID_GELU)]
+    server.retry_after = {0: "7"}
+    made = llm_candidate(workspace, make_intent(), config_for(server, max_attempts=2))
+    assert isinstance(made, Candidate), made  # two transport failures, then two patch attempts: the second lands
+    assert waits == [7.0, 2.0] and len(server.requests) == 4
+    assert server.messages(1) == server.messages(0) and len(server.messages(3)) == 4  # retried as is; then the feedback
+
+
+def test_a_500_then_a_valid_reply_lands(server, workspace, waits):
     server.script = [(500, "blip"), (200, VALID_GELU)]
     made = llm_candidate(workspace, make_intent(), config_for(server))
     assert isinstance(made, Candidate)
@@ -475,12 +500,13 @@ def test_a_bad_key_gives_up_at_once(server, workspace, user_repo):
     assert_nothing_landed(workspace, user_repo, before)
 
 
-def test_the_guard_refuses_an_endpoint_beyond_loopback(workspace, loopback_only):
+def test_the_guard_refuses_an_endpoint_beyond_loopback(workspace, loopback_only, waits):
     config = LLMConfig(base_url="http://203.0.113.7:8000/v1", model="m", api_key=SecretStr("k"), timeout=5, max_attempts=1)
     refusal = llm_candidate(workspace, make_intent(), config)
     seen = list(loopback_only)
     loopback_only.clear()  # expected here; every other test ends with the list empty
     assert isinstance(refusal, CoderRefusal) and "ConnectionError" in refusal.reason and "test guard" in refusal.reason
+    assert len(waits) == 4  # a refused connection is a transport failure: retried by the client, with backoff
     assert seen and all("203.0.113.7" in str(where) for where in seen)
 
 

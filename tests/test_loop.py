@@ -17,7 +17,6 @@ planted candidate, and the GELU rewrite halves the step against a 5% minimum gai
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -35,13 +34,25 @@ from langgraph.types import Command
 from trainbridge.agents.analyst.static_scan import scan_repo_result
 from trainbridge.agents.coder.candidate import make_candidate
 from trainbridge.graph import nodes
-from trainbridge.graph.app import RunError, resume_run, run_status, start_run
+from trainbridge.graph.runs import RunError, resume_run, run_status, start_run
 from trainbridge.graph.builder import build_graph
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.review import ReviewDecision
 from trainbridge.graph.state import RunConfig, RunPaths
 from trainbridge.knowledge.store import KnowledgeBase
 from trainbridge.tools.git_ops import CandidateConflict
+from trainbridge.tests.loop_checks import (
+    LLM_ENV,
+    REJECT_REASON,
+    assert_clean_repository,
+    child_env,
+    cli_argv,
+    decision_view,
+    harness_children,
+    run_commits,
+    run_outcomes,
+    user_view,
+)
 from trainbridge.tests.loop_fixtures import (
     GOOD_RECIPE,
     WRONG_RECIPE,
@@ -52,7 +63,6 @@ from trainbridge.tests.loop_fixtures import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-REJECT_REASON = "keep the hand-written form here: it is the reference for a paper figure"
 
 # The loop in a child process. Optionally it SIGKILLs itself right after a given git command
 # succeeded (the moment a crash hurts most: the commit or ref move exists, the checkpoint does not).
@@ -60,9 +70,9 @@ DRIVER = r"""
 import json, os, signal, sys
 args = json.loads(sys.argv[1])
 if args.get("kill_after"):
-    from trainbridge.tools import git_ops
+    from trainbridge.tools import git_runner
     kind, ref = args["kill_after"]
-    original = git_ops._git_status
+    original = git_runner._git_status
     def _git_status(cwd, *argv, **kwargs):
         result = original(cwd, *argv, **kwargs)
         moved_run_branch = "update-ref" in argv and ref in argv and argv[-1] != ""  # not its creation
@@ -70,8 +80,8 @@ if args.get("kill_after"):
             print(f"KILLING MYSELF after git {' '.join(a for a in argv if not a.startswith('-c'))[:200]}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return result
-    git_ops._git_status = _git_status
-from trainbridge.graph.app import resume_run, start_run
+    git_runner._git_status = _git_status
+from trainbridge.graph.runs import resume_run, start_run
 from trainbridge.graph.state import RunConfig
 say = lambda message: print(message, flush=True)
 if args["action"] == "start":
@@ -82,108 +92,10 @@ print("OUTCOME " + json.dumps({"finished": outcome.finished, "waiting": outcome.
 """
 
 
-# --------------------------------------------------------------------------------------- helpers
-
-
-def user_view(repo: Path) -> dict:
-    """Everything of the user's checkout TrainBridge promises not to touch."""
-    files = {}
-    for path in sorted(repo.rglob("*")):
-        if ".git" not in path.relative_to(repo).parts and path.is_file():
-            files[str(path.relative_to(repo))] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return {
-        "head": git(repo, "rev-parse", "HEAD"),
-        "branch": git(repo, "symbolic-ref", "HEAD"),
-        "refs": [r for r in git(repo, "for-each-ref", "--format=%(refname) %(objectname)").splitlines()
-                 if not r.startswith("refs/heads/trainbridge/")],
-        "status": git(repo, "--no-optional-locks", "status", "--porcelain=v1", "--untracked-files=all"),
-        "files": files,
-        "index": hashlib.sha256((repo / ".git" / "index").read_bytes()).hexdigest(),
-        "config": (repo / ".git" / "config").read_text(encoding="utf-8"),
-    }
-
-
-def run_commits(repo: Path, base: str, branch: str) -> list[dict]:
-    """Commits of `branch` above `base`, oldest first: sha, parent, tree, subject, candidate trailer."""
-    out = git(repo, "log", "--reverse", "--format=%H%x00%P%x00%T%x00%s%x00%(trailers:key=TrainBridge-Candidate,valueonly)%x1e",
-              f"{base}..{branch}")
-    commits = []
-    for record in out.split("\x1e"):
-        if record.strip():
-            sha, parents, tree, subject, candidate = record.strip("\n").split("\0")
-            commits.append({"sha": sha, "parents": parents.split(), "tree": tree, "subject": subject,
-                            "candidate": candidate.strip()})
-    return commits
-
-
-def decision_view(verdicts: list[dict]) -> list[tuple]:
-    """What must not depend on noise or on crashes: which candidate, for what, decided how."""
-    return [(v["intent_id"], v["category"], v["recipe_id"], v["candidate"], v["accepted"], v["reason"]) for v in verdicts]
-
-
-def run_outcomes(kb_dir: str, run_id: str) -> list:
-    with KnowledgeBase(kb_dir) as kb:
-        return [o for o in kb.all_outcomes() if o.run_id == run_id]
-
-
-def assert_clean_repository(repo: Path, run_id: str) -> None:
-    """Only the run branch is left of the run (no candidate branches, worktrees or locks); fsck passes."""
-    branches = git(repo, "for-each-ref", "--format=%(refname)", "refs/heads/trainbridge/").split()
-    assert branches == [f"refs/heads/trainbridge/{run_id}"], branches
-    worktrees = [line for line in git(repo, "worktree", "list", "--porcelain").splitlines() if line.startswith("worktree ")]
-    assert worktrees == [f"worktree {repo}"], worktrees
-    locks = [str(p) for p in (repo / ".git").rglob("*.lock")]
-    assert locks == [], locks
-    fsck = subprocess.run(["git", "fsck", "--full", "--strict", "--no-progress"], cwd=repo, capture_output=True, text=True)
-    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
-    assert not any(word in fsck.stdout + fsck.stderr for word in ("error", "missing", "broken", "corrupt")), fsck.stdout + fsck.stderr
-
-
-def cli_argv() -> list[str]:
-    script = Path(sys.executable).with_name("trainbridge")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "trainbridge"]
-
-
-LLM_ENV = ("TRAINBRIDGE_LLM_BASE_URL", "TRAINBRIDGE_LLM_MODEL", "TRAINBRIDGE_LLM_API_KEY", "OPENAI_API_KEY")
-
-
-def child_env(home: Path) -> dict[str, str]:
-    """The loop's environment: its own home and temporary folder (a killed process leaves its sandbox
-    scratch folders behind), and no LLM (recipes only: tests never reach the network)."""
-    env = {k: v for k, v in os.environ.items() if k not in LLM_ENV}
-    (home / "tmp").mkdir(parents=True, exist_ok=True)
-    return {**env, "TRAINBRIDGE_HOME": str(home), "TMPDIR": str(home / "tmp"), "PYTHONUNBUFFERED": "1"}
-
-
 @pytest.fixture(autouse=True)
 def no_llm(monkeypatch):
     for name in LLM_ENV:
         monkeypatch.delenv(name, raising=False)
-
-
-def harness_children(pid: int) -> dict[int, str]:
-    """Sandbox children of `pid` (`python -m trainbridge.sandbox.harness --channel R,W` for timed runs,
-    `... request.json MODE` for analysis): {pid: "timed" or the mode}."""
-    found: dict[int, str] = {}
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            children = [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-        for child in children:
-            try:
-                argv = [a.decode(errors="replace") for a in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0") if a]
-            except OSError:
-                continue
-            if "trainbridge.sandbox.harness" in argv:
-                # timed children (baseline measurement, every gate child) are driven over --channel and carry no
-                # mode in argv; analysis children are labelled with theirs
-                found[child] = "timed" if "--channel" in argv else (argv[-1] if not argv[-1].endswith(".json") else "?")
-    return found
 
 
 class Driver:
@@ -513,6 +425,58 @@ def test_end_to_end_accepts_a_measured_gain_and_rejects_wrong_numerics(reference
     assert f"| {GOOD_RECIPE} | accepted |" in markdown and f"| {WRONG_RECIPE} | numerics_mismatch |" in markdown
     assert "<img" in html
     assert "&#x27;" not in markdown and "&amp;" not in html  # verdict messages quote names: escaped once, not twice
+
+
+# Every client-side hook git knows; each leaves a marker (outside the repository) when it runs.
+HOOKS = ("applypatch-msg", "pre-applypatch", "post-applypatch", "pre-commit", "pre-merge-commit", "prepare-commit-msg",
+         "commit-msg", "post-commit", "pre-rebase", "post-checkout", "post-merge", "pre-push", "pre-auto-gc",
+         "post-rewrite", "post-index-change", "reference-transaction", "push-to-checkout", "fsmonitor-watchman")
+
+
+def install_hostile_config(repo: Path, markers: Path) -> None:
+    """A user's repository as git allows it to be: every hook installed (a failing post-checkout among
+    them), a core.hooksPath with the same hooks, prefix-less and coloured diffs, mandatory signing
+    without a key."""
+    markers.mkdir(parents=True, exist_ok=True)
+    hooks_path = repo.parent / "user-hooks"
+    for folder in (repo / ".git" / "hooks", hooks_path):
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in HOOKS:
+            hook = folder / name
+            status = 1 if name == "post-checkout" else 0
+            hook.write_text(f"#!/bin/sh\necho \"$0 $*\" >> '{markers}/{name}'\nexit {status}\n", encoding="utf-8")
+            hook.chmod(0o755)
+    for key, value in {"core.hooksPath": str(hooks_path), "diff.noprefix": "true", "diff.mnemonicPrefix": "true",
+                       "color.ui": "always", "color.diff": "always", "commit.gpgsign": "true", "tag.gpgSign": "true",
+                       "user.signingkey": "0xDEADBEEFNOSUCHKEY", "gpg.program": str(markers / "no-such-gpg")}.items():
+        git(repo, "config", key, value)
+
+
+@pytest.mark.slow
+def test_hooks_and_the_users_git_config_change_nothing(reference_run, tmp_path):
+    """A whole run on a repository with every hook, core.hooksPath, diff.noprefix, color.ui=always and
+    commit.gpgsign=true without a key: no hook runs, the branch and verdicts equal the plain
+    repository's, and the user's checkout (tree, index, refs, config) is byte-identical."""
+    repo = make_loop_repo(tmp_path / "repo")
+    markers = tmp_path / "markers"
+    install_hostile_config(repo, markers)
+    add_user_changes(repo)
+    before = user_view(repo)
+    config = loop_config(repo, "hooked", tmp_path)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRAINBRIDGE_HOME", str(tmp_path / "home"))
+        for name in LLM_ENV:
+            patch.delenv(name, raising=False)
+        outcome = start_run(config, root=tmp_path / "home" / "runs")
+    assert outcome.finished, outcome.state.get("node")
+    assert sorted(p.name for p in markers.iterdir()) == [], "hooks ran: " + ", ".join(p.name for p in markers.iterdir())
+    state, reference = outcome.state, reference_run.outcome.state
+    assert decision_view(state["verdicts"]) == decision_view(reference["verdicts"])
+    strip = lambda commits: [(c["tree"], c["subject"]) for c in commits]  # noqa: E731
+    assert strip(run_commits(repo, state["base_sha"], "trainbridge/hooked")) == \
+        strip(run_commits(reference_run.repo, reference["base_sha"], "trainbridge/reference"))
+    assert user_view(repo) == before
+    assert_clean_repository(repo, "hooked")
 
 
 @pytest.mark.slow

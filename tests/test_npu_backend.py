@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from trainbridge.sandbox import backends
-from trainbridge.sandbox.backends import Backend, ProbeCause, npu_compile_status, probe, release, version_mismatch
+from trainbridge.sandbox.backends import AvailabilityCause, Backend, availability, npu_compile_status, release, version_mismatch
 from trainbridge.sandbox.isolation import scrubbed_env
 from trainbridge.sandbox.npu_emulation import emulation_path
 from trainbridge.sandbox.runner import run_workload
 from trainbridge.sandbox.workload import load_workload
+from trainbridge.tests.host import needs_no_torch_npu
 
 TESTS = Path(__file__).parent
 EXAMPLES = TESTS.parent / "examples"
@@ -35,10 +36,10 @@ def fresh_probe_cache():
     """The default NPU probe and selection are cached per process; tests that change the
     environment they depend on must not leak into (or read from) that cache."""
     backends.npu_selection.cache_clear()
-    backends._default_npu_probe.cache_clear()
+    backends._default_npu_availability.cache_clear()
     yield
     backends.npu_selection.cache_clear()
-    backends._default_npu_probe.cache_clear()
+    backends._default_npu_availability.cache_clear()
 
 
 # --- versions -------------------------------------------------------------------------------------
@@ -84,24 +85,25 @@ _DEVICE_NPU = """
 """
 
 
+@needs_no_torch_npu
 def test_probe_not_installed_even_with_the_stand_in_on_the_path():
-    found = probe("npu", env=_env(emulation_path()))
-    assert not found.available and found.cause == ProbeCause.not_installed
+    found = availability("npu", env=_env(emulation_path()))
+    assert not found.available and found.cause == AvailabilityCause.not_installed
     assert "torch_npu is not installed" in found.reason and sys.executable in found.reason
     assert found.versions["torch"] == torch.__version__
 
 
 def test_probe_reports_missing_cann_with_the_error(tmp_path):
     root = _fake_torch_npu(tmp_path, "raise ImportError('libhccl.so: cannot open shared object file: No such file or directory')\n")
-    found = probe("npu", env=_env(root))
-    assert not found.available and found.cause == ProbeCause.no_cann
+    found = availability("npu", env=_env(root))
+    assert not found.available and found.cause == AvailabilityCause.no_cann
     assert "libhccl.so: cannot open shared object file" in found.reason and "set_env.sh" in found.reason
 
 
 def test_probe_reports_other_import_failures_with_the_error(tmp_path):
     root = _fake_torch_npu(tmp_path, "raise RuntimeError('torch_npu built for another Python')\n")
-    found = probe("npu", env=_env(root))
-    assert not found.available and found.cause == ProbeCause.import_failed
+    found = availability("npu", env=_env(root))
+    assert not found.available and found.cause == AvailabilityCause.import_failed
     assert "RuntimeError: torch_npu built for another Python" in found.reason
 
 
@@ -114,32 +116,33 @@ def test_probe_reports_a_version_mismatch_without_importing(tmp_path, how):
     else:
         root = _fake_torch_npu(tmp_path, init, version=None, dist_version="2.5.1.post2")
         wanted = "2.5.1.post2"
-    found = probe("npu", env=_env(root))
-    assert not found.available and found.cause == ProbeCause.version_mismatch
+    found = availability("npu", env=_env(root))
+    assert not found.available and found.cause == AvailabilityCause.version_mismatch
     assert f"torch_npu {wanted}" in found.reason and f"torch {torch.__version__}" in found.reason
     assert found.versions == {"torch": torch.__version__, "torch_npu": wanted}
 
 
 def test_probe_reports_no_device(tmp_path):
     root = _fake_torch_npu(tmp_path, "from . import npu\n", npu=_DEVICE_NPU.format(available=False, count=0))
-    found = probe("npu", env=_env(root))
-    assert not found.available and found.cause == ProbeCause.no_device
+    found = availability("npu", env=_env(root))
+    assert not found.available and found.cause == AvailabilityCause.no_device
     assert "sees no NPU device" in found.reason and "is_available()=False" in found.reason
 
 
 def test_probe_accepts_a_matching_torch_npu_that_sees_devices(tmp_path):
     root = _fake_torch_npu(tmp_path, "from . import npu\n", npu=_DEVICE_NPU.format(available=True, count=2))
-    found = probe("npu", env=_env(root))
-    assert found.available and found.cause == ProbeCause.available
+    found = availability("npu", env=_env(root))
+    assert found.available and found.cause == AvailabilityCause.available
     assert "2 NPU device(s)" in found.reason and found.versions["torch_npu"] == TORCH_RELEASE
 
 
+@needs_no_torch_npu
 def test_default_probe_is_cached_and_the_cpu_always_available(fresh_probe_cache):
-    first = probe("npu")
-    assert probe("npu") is first and first.cause == ProbeCause.not_installed  # this machine has no torch_npu
-    assert probe("cpu").available
+    first = availability("npu")
+    assert availability("npu") is first and first.cause == AvailabilityCause.not_installed  # this machine has no torch_npu
+    assert availability("cpu").available
     with pytest.raises(ValueError, match="unknown backend"):
-        probe("tpu")
+        availability("tpu")
 
 
 # --- the child's environment ----------------------------------------------------------------------
@@ -237,7 +240,7 @@ def test_npu_run_prefers_a_usable_real_torch_npu(tmp_path, monkeypatch, fresh_pr
     monkeypatch.setenv("PYTHONPATH", f"{emulation_path()}:{root}")  # the stand-in first: the real one must still win
     monkeypatch.setenv("ASCEND_TOOLKIT_HOME", "/opt/fake-cann")
     assert backends.npu_selection().mode == "real"
-    assert probe("npu").available
+    assert availability("npu").available
     out = tmp_path / "seen.json"
     result = run_workload(_probe_workload(tmp_path / "wl"), backend="npu", extra_env={"TB_NPU_PROBE_OUT": str(out)})
     assert result.ok, result.failure
@@ -466,8 +469,9 @@ def test_profile_capture_reports_missing_output_and_refuses_the_emulation(tmp_pa
         profile_npu_step(_tiny_parts([]), tmp_path / "p2", tmp_path, torch_npu_module=emulated)
 
 
+@needs_no_torch_npu
 def test_capture_refuses_up_front_where_the_child_would_be_emulated(tmp_path, fresh_probe_cache):
-    from trainbridge.tools.npu_profile_capture import NpuProfileUnavailable, capture_npu_profile
+    from trainbridge.sandbox.npu_profile import NpuProfileUnavailable, capture_npu_profile
 
     with pytest.raises(NpuProfileUnavailable, match="needs a real NPU: torch_npu is not installed"):
         capture_npu_profile(_probe_workload(tmp_path / "wl"), tmp_path / "prof")

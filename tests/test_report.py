@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import math
+from html.parser import HTMLParser
 from types import SimpleNamespace
 
 import pytest
@@ -79,3 +81,43 @@ def test_report_headline_is_the_interleaved_final_comparison(tmp_path):
     assert "the final head is slower than torch.compile" in markdown
     assert "Per commit: Gate-measured step-time ratios" in markdown
     assert "measured once while the analyst compiled it" not in markdown  # the interleaved figure replaces it
+
+
+class _Page(HTMLParser):
+    """What a browser would show: the text, and the tables, headers and images of the page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text, self.tags, self.images = [], [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        if tag == "img":
+            self.images.append(dict(attrs))
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def test_html_report_is_real_html_with_tables_charts_and_text_escaped_once(tmp_path):
+    state = _state()
+    hostile = "grad rtol >= 1e-3 & <script>alert(1)</script> for `w` *not* [x](y) | a\\b"
+    state["verdicts"] = [*state["verdicts"], {"category": "rmsnorm", "recipe_id": "rms-x", "accepted": False,
+                                              "reason": "numerics_mismatch", "message": hostile}]
+    config = SimpleNamespace(run_id="r", repo="/repo", target="cpu")
+    write_report(state, config, tmp_path, final_step_s=0.110, stop_reason="no intents left", emulated_npu=False,
+                 kb_stats={"recipes": 3})
+    source = (tmp_path / "report.html").read_text(encoding="utf-8")
+    page = _Page()
+    page.feed(source)
+    text = "".join(page.text)
+    assert "<pre>" not in source.split("<body>")[1].split("<h2>Knowledge base</h2>")[0]  # the report is not a <pre> dump
+    assert page.tags.count("table") == 2 and "th" in page.tags and "h2" in page.tags  # candidates and loop cost
+    assert hostile in text  # the browser shows the message exactly as it was ...
+    assert "<script>" not in source and "&amp;gt;" not in source and "&amp;amp;" not in source  # ... escaped once
+    assert "&gt;= 1e-3 &amp; &lt;script&gt;" in source
+    charts = [i for i in page.images if i.get("src", "").startswith("data:image/png;base64,")]
+    assert {i["alt"] for i in charts} == {"step_time"} and len(page.images) == len(charts)  # embedded, nothing fetched
+    assert base64.b64decode(charts[0]["src"].split(",", 1)[1]) == (tmp_path / "step_time.png").read_bytes()
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert "&gt;" not in markdown and "&amp;" not in markdown  # the markdown is markdown, not HTML-escaped text

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from trainbridge.sandbox import runner
+from trainbridge.sandbox.isolation import NetworkIsolation, network_isolation
 from trainbridge.sandbox.results import FailureKind
 from trainbridge.sandbox.runner import run_workload
 from trainbridge.sandbox.workload import WorkloadConfigError, load_workload
@@ -97,10 +100,34 @@ def test_secrets_do_not_reach_the_child_and_network_is_isolated(tmp_path, monkey
     assert leaked == []
     assert "SOME_HARMLESS_SETTING" not in seen["env"]
     assert seen["env"]["OMP_NUM_THREADS"] == "2"
+    host_interfaces = sorted(name for _, name in socket.if_nameindex())
+    isolation = network_isolation()
+    assert result.network_isolated == isolation.isolated  # the run reports what the host allows
     if result.network_isolated:
-        assert seen["network"].startswith("unreachable")
+        # a new, empty network namespace: only its own loopback, none of the host's interfaces
+        assert seen["interfaces"] == ["lo"], seen["interfaces"]
+        assert any("network isolated" in note for note in result.isolation_notes)
     else:
-        assert any("not isolated" in note for note in result.isolation_notes)
+        # the host refuses namespaces: the child still runs, in the host's namespace, and the result
+        # says so with the host's reason, so nobody mistakes the run for an isolated one
+        assert seen["interfaces"] == host_interfaces
+        assert isolation.prefix == () and any(note.startswith("network not isolated: ") and
+                                              ("refuses" in note or "not installed" in note) for note in result.isolation_notes)
+
+
+def test_a_host_that_refuses_namespaces_still_runs_the_child_and_says_so(tmp_path, monkeypatch):
+    """What holds on such a host, checked on every host: the refusal is planted."""
+    refused = NetworkIsolation((), False, ["network not isolated: this host refuses new network namespaces "
+                                           "(unshare: unshare failed: Operation not permitted)"])
+    monkeypatch.setattr(runner, "network_isolation", lambda: refused)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-should-not-leak")
+    probe = tmp_path / "probe.json"
+    result = run("env_probe", extra_env={"TB_TEST_PROBE_OUT": str(probe)})
+    assert result.ok, result.failure
+    assert result.network_isolated is False and result.isolation_notes == refused.notes
+    seen = json.loads(probe.read_text())
+    assert seen["interfaces"] == sorted(name for _, name in socket.if_nameindex())  # the host's own namespace
+    assert "OPENAI_API_KEY" not in seen["env"]  # the other protections do not depend on the namespace
 
 
 def test_malformed_config_names_the_bad_key_and_line():

@@ -29,10 +29,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainbridge.graph.app import answer_review, start_run
+from trainbridge.graph.runs import answer_review, start_run
 from trainbridge.graph.state import RunConfig, RunPaths
 from trainbridge.tests.loop_fixtures import git, loop_config, make_loop_repo
-from trainbridge.tests.test_loop import (
+from trainbridge.tests.loop_checks import (
     LLM_ENV,
     REJECT_REASON,
     assert_clean_repository,

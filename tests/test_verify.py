@@ -1,6 +1,6 @@
 """`trainbridge verify`: replaying a run's pending-npu commits through the gate, in a real temporary
-git repository. The refusal uses this machine's real probe (no NPU here). The replay logic runs
-with an injected probe that calls the npu backend real, so the gate's children time the step on
+git repository. The refusal uses this machine's real availability check (no NPU here). The replay logic runs
+with an injected availability check that calls the npu backend real, so the gate's children time the step on
 the CPU (through the emulation): with a scripted gate for the git logic, and with the real gate
 on a tiny workload (slow)."""
 
@@ -15,10 +15,11 @@ import pytest
 
 from trainbridge.agents.profiler.numerics import NumericsTolerance
 from trainbridge.agents.profiler.verdict import Verdict, VerdictReason
-from trainbridge.graph.app import RunError
+from trainbridge.graph.runs import RunError
 from trainbridge.graph.state import RunConfig, RunPaths
 from trainbridge.graph.verify import VerifyRefused, replay_name, verify_run
 from trainbridge.sandbox.backends import Availability
+from trainbridge.tests.host import needs_no_torch_npu
 from trainbridge.tools.git_ops import RunWorkspace, open_repo
 
 RUN = "r1"
@@ -129,7 +130,8 @@ def _refs(repo: Path) -> list[str]:
     return _git(repo, "for-each-ref", "--format=%(refname:short)", "refs/heads/").splitlines()
 
 
-def test_refuses_without_an_npu_with_the_probes_reason(tmp_path):
+@needs_no_torch_npu
+def test_refuses_without_an_npu_with_the_availability_reason(tmp_path):
     repo, runs, workspace = make_run(tmp_path, [("c1", FAST)])
     refs_before, head_before = _refs(repo), workspace.head_sha
     with pytest.raises(VerifyRefused) as refused:
@@ -139,7 +141,7 @@ def test_refuses_without_an_npu_with_the_probes_reason(tmp_path):
     assert _refs(repo) == refs_before and workspace.head_sha == head_before
     assert not (runs / RUN / "verify.json").exists()
     with pytest.raises(RunError, match="no run 'nope'"):
-        verify_run("nope", root=runs, probe=REAL_NPU)
+        verify_run("nope", root=runs, availability=REAL_NPU)
 
 
 def test_replays_in_order_accepts_fast_forward_drops_the_rest_and_records(tmp_path):
@@ -149,7 +151,7 @@ def test_replays_in_order_accepts_fast_forward_drops_the_rest_and_records(tmp_pa
     user_head, head_before = _git(repo, "rev-parse", "HEAD"), workspace.head_sha
     kb = KnowledgeBase(tmp_path / "kb")
     gate = ScriptedGate()
-    report = verify_run(RUN, root=runs, probe=REAL_NPU, gate=gate, kb=kb)
+    report = verify_run(RUN, root=runs, availability=REAL_NPU, gate=gate, kb=kb)
 
     assert [(o.candidate, o.decision, o.reason) for o in report.outcomes] == [
         ("c1", "accepted", "accepted"), ("c2", "rejected", "numerics_mismatch"), ("c3", "conflict", "conflict")]
@@ -180,21 +182,21 @@ def test_replays_in_order_accepts_fast_forward_drops_the_rest_and_records(tmp_pa
     assert outcomes["rmsnorm-c1"].backend == "npu" and outcomes["rmsnorm-c1"].recipe_id == RECIPE
     assert outcomes["rmsnorm-c2"].verdict.startswith("numerics_mismatch") and outcomes["rmsnorm-c3"].verdict.startswith("conflict")
     # a second verify has nothing left to do
-    again = verify_run(RUN, root=runs, probe=REAL_NPU, gate=gate, kb=None)
+    again = verify_run(RUN, root=runs, availability=REAL_NPU, gate=gate, kb=None)
     assert len(gate.calls) == 2 and again.run_head_after == accepted and len(again.outcomes) == 3
 
 
 def test_verify_waits_for_no_one_while_the_run_holds_its_lock(tmp_path):
-    from trainbridge.graph.app import run_lock
+    from trainbridge.graph.runs import run_lock
     from trainbridge.graph.state import RunPaths
 
     repo, runs, workspace = make_run(tmp_path, [("c1", FAST)])
     gate = ScriptedGate()
     with run_lock(RunPaths(RUN, runs)):  # `trainbridge resume` of the same run is driving its worktrees
         with pytest.raises(RunError, match="is already running"):
-            verify_run(RUN, root=runs, probe=REAL_NPU, gate=gate, kb=None)
+            verify_run(RUN, root=runs, availability=REAL_NPU, gate=gate, kb=None)
     assert gate.calls == [] and workspace.head_sha == _git(repo, "rev-parse", f"trainbridge/{RUN}")
-    assert len(verify_run(RUN, root=runs, probe=REAL_NPU, gate=gate, kb=None).outcomes) == 1  # free again: it runs
+    assert len(verify_run(RUN, root=runs, availability=REAL_NPU, gate=gate, kb=None).outcomes) == 1  # free again: it runs
 
 
 @pytest.mark.parametrize("lose_record", [False, True])
@@ -202,13 +204,13 @@ def test_an_interrupted_verify_resumes_without_duplicates(tmp_path, lose_record)
     repo, runs, workspace = make_run(tmp_path, [("c1", FAST), ("c2", WRONG)])
     head_before = workspace.head_sha
     with pytest.raises(RuntimeError, match="simulated crash"):
-        verify_run(RUN, root=runs, probe=REAL_NPU, gate=ScriptedGate(fail_on_call=2), kb=None)
+        verify_run(RUN, root=runs, availability=REAL_NPU, gate=ScriptedGate(fail_on_call=2), kb=None)
     assert len(_run_log(repo)) == 2  # c1 was accepted before the crash
     record = runs / RUN / "verify.json"
     if lose_record:  # killed after the fast-forward, before the decision was written
         record.unlink()
     gate = ScriptedGate()
-    report = verify_run(RUN, root=runs, probe=REAL_NPU, gate=gate, kb=None)
+    report = verify_run(RUN, root=runs, availability=REAL_NPU, gate=gate, kb=None)
     assert len(gate.calls) == 1 and WRONG[1] in gate.calls[0]["candidate"]  # only c2 is gated again
     assert [(o.candidate, o.decision) for o in report.outcomes] == [("c1", "accepted"), ("c2", "rejected")]
     if lose_record:
@@ -232,7 +234,7 @@ def test_real_gate_times_the_replays_on_the_cpu_and_keeps_only_the_faster_one(tm
     head_before = workspace.head_sha
     # 4 rounds at 80% confidence is the least the signed-rank test can accept with; the first rewrite
     # removes a 50 ms sleep per step, far beyond the noise
-    report = verify_run(RUN, root=runs, probe=REAL_NPU, kb=None, rounds=4, confidence=0.8)
+    report = verify_run(RUN, root=runs, availability=REAL_NPU, kb=None, rounds=4, confidence=0.8)
     first, second = report.outcomes
     assert first.decision == "accepted", first.message
     assert first.ratio is not None and first.ratio < 0.9 and first.ratio_ci[1] < 1.0

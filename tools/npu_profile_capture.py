@@ -17,8 +17,8 @@ TASK_QUEUE_ENABLE and CPU_AFFINITY_CONF are set in the child's environment befor
 imported (sandbox.backends.Backend.child_env). The output is parsed by
 tools.npu_profiler_parser into the same TargetProfile the eager CPU profile gives.
 
-Parent side: `capture_npu_profile(workload, profile_dir)` runs the child (harness mode
-"npu_profile") and refuses up front, with the reason, where the child would get the emulation.
+The parent side, `capture_npu_profile(workload, profile_dir)`, is sandbox/npu_profile.py (it starts
+the sandbox child; tools never import the sandbox).
 """
 
 from __future__ import annotations
@@ -141,25 +141,3 @@ def parse_capture(capture: NpuProfileCapture, repo_root: Path) -> NpuProfileCapt
     except (NpuProfileError, OSError) as exc:
         capture.parse_error = str(exc)
     return capture
-
-
-class NpuProfileUnavailable(RuntimeError):
-    """No real NPU for the child: the profiler cannot run; the message says why."""
-
-
-def capture_npu_profile(workload, profile_dir: Path, *, attribution: bool = False, steps: int | None = None):
-    """Run the workload's step under torch_npu.profiler in a sandbox child (parent side).
-
-    Returns (RunResult, NpuProfileCapture | None): the capture is None when the child failed (the
-    RunResult says how). Raises NpuProfileUnavailable where the child would get the CPU emulation.
-    """
-    from trainbridge.sandbox.backends import npu_selection
-    from trainbridge.sandbox.runner import run_workload
-
-    selection = npu_selection()
-    if selection.mode != "real":
-        raise NpuProfileUnavailable(f"torch_npu.profiler needs a real NPU: {selection.reason}")
-    run = run_workload(workload.with_overrides(steps=steps), backend="npu", mode="npu_profile",
-                       extra_request={"profile_dir": str(Path(profile_dir).resolve()), "attribution": attribution})
-    capture = run.extra.get("npu_profile") if run.ok else None
-    return run, NpuProfileCapture.model_validate(capture) if capture else None

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trainbridge.records import Record
+from trainbridge.tools.git_names import valid_run_id
 from trainbridge.tools.git_ops import GitOpsError
 from trainbridge.tools.porting import RepoPortResult, port_repo
 from trainbridge.tools.porting.repo import SKIP_DIRS
@@ -54,6 +55,15 @@ class PortOutcome(Record):
 
 
 # ---------------------------------------------------------------- core (no printing)
+
+
+def ports_root() -> Path:
+    """Workspaces of `port --run-id`: $TRAINBRIDGE_HOME/ports, else the per-user data folder's."""
+    home = os.environ.get("TRAINBRIDGE_HOME")
+    if home:
+        return Path(home).expanduser() / "ports"
+    xdg = os.environ.get("XDG_DATA_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share") / "trainbridge" / "ports"
 
 
 def _check_target(to: str) -> None:
@@ -88,9 +98,16 @@ def write_port(root: Path, result: RepoPortResult) -> list[str]:
     return written
 
 
+def default_out_dir(repo: Path, to: str) -> Path:
+    """Where a port goes without --out: a new folder beside the repository, `<repo>-<target>`."""
+    root = Path(os.path.realpath(repo))
+    return root.parent / f"{root.name}-{to}"
+
+
 def run_port(repo: Path, *, to: str = "npu", out_dir: Path | None = None, dry_run: bool = False,
              report_dir: Path | None = None) -> PortOutcome:
-    """Port `repo` into `out_dir` (or only report, with `dry_run`); the repo itself is only read."""
+    """Port `repo` into `out_dir` (default `<repo>-<to>` beside it; or only report, with `dry_run`); the repo
+    itself is only read."""
     _check_target(to)
     repo = Path(repo)
     if not repo.is_dir():
@@ -99,8 +116,11 @@ def run_port(repo: Path, *, to: str = "npu", out_dir: Path | None = None, dry_ru
         outcome = PortOutcome(repo=repo, target=to, dry_run=True, out_dir=None, result=port_repo(repo))
         return write_reports(outcome, report_dir) if report_dir is not None else outcome
     if out_dir is None:
-        raise PortError("no output given: pass --out <empty folder or git worktree>, --run-id <id> for a "
-                        "trainbridge/<run>.port branch, or --dry-run to only see the report")
+        out_dir = default_out_dir(repo, to)
+        if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / ".git").exists():
+            raise PortError(f"{out_dir} (the default output, beside the repository) already holds files, perhaps an "
+                            "earlier port: remove it, or pass --out <empty folder or git worktree>, --run-id <id> for a "
+                            "trainbridge/<run>.port branch, or --dry-run to only see the report")
     _outside(out_dir, repo)
     _prepare_tree(repo, out_dir)
     result = port_repo(out_dir)
@@ -231,10 +251,10 @@ def print_outcome(outcome: PortOutcome, console: Console) -> None:
 def port_command(
     repo: Annotated[Path, typer.Argument(help="The CUDA program's repository (read only).")],
     to: Annotated[str, typer.Option("--to", help="Target device.")] = "npu",
-    out_dir: Annotated[Path | None, typer.Option("--out", help="Empty folder or git worktree to write the port into.")] = None,
-    run_id: Annotated[str | None, typer.Option("--run-id", help="Commit the port on trainbridge/<run-id>.port.")] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Empty folder or git worktree to write the port into (default: a new folder <repo>-<target> beside the repository).")] = None,
+    run_id: Annotated[str | None, typer.Option("--run-id", callback=valid_run_id, help="Commit the port on trainbridge/<run-id>.port.")] = None,
     workspace: Annotated[Path | None, typer.Option("--workspace", help="Workspace for --run-id worktrees "
-                                                   "(default ~/.trainbridge/runs/<run-id>).")] = None,
+                                                   "(default <TRAINBRIDGE_HOME>/ports/<run-id>).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report; write nothing.")] = False,
     report_dir: Annotated[Path | None, typer.Option("--report-dir", help="Where port-report.{json,md} go.")] = None,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 when anything needs manual work.")] = False,
@@ -245,7 +265,7 @@ def port_command(
         if run_id is not None and not dry_run:
             if out_dir is not None:
                 raise PortError("--out and --run-id are alternatives: pass one of them")
-            root = workspace or Path.home() / ".trainbridge" / "runs" / run_id
+            root = workspace or ports_root() / run_id
             outcome = port_to_branch(repo, run_id, root, to=to, report_dir=report_dir)
         else:
             outcome = run_port(repo, to=to, out_dir=out_dir, dry_run=dry_run, report_dir=report_dir)

@@ -1,4 +1,4 @@
-"""A run's report: `report.md`, a self-contained `report.html` and PNG charts.
+"""A run's report: `report.md`, a self-contained `report.html` (tools/report_html.py) and PNG charts.
 
 Figures come from the run's state only: measured step times (baseline, per accepted commit, final),
 the gate's ratios and confidence intervals, op counts from the analyst. Estimates never appear as
@@ -7,12 +7,12 @@ speedups; without an NPU, NPU candidates say "speed unmeasured (no NPU)".
 
 from __future__ import annotations
 
-import base64
-import html
 import json
 import math
 from pathlib import Path
 from typing import Any
+
+from trainbridge.tools.report_html import escape_cell, render_html
 
 UNMEASURED = "speed unmeasured (no NPU)"
 
@@ -28,7 +28,7 @@ def write_report(state: dict[str, Any], config, out_dir: Path, *, final_step_s: 
     md_path = out_dir / "report.md"
     md_path.write_text(markdown, encoding="utf-8")
     html_path = out_dir / "report.html"
-    html_path.write_text(_html(markdown, charts), encoding="utf-8")
+    html_path.write_text(render_html(markdown, charts, title=f"TrainBridge run {config.run_id}"), encoding="utf-8")
     (out_dir / "run.json").write_text(json.dumps({"state": state, "final_step_s": final_step_s, "stop_reason": stop_reason},
                                                   indent=2, default=str), encoding="utf-8")
     return [md_path, html_path, *charts]
@@ -171,7 +171,7 @@ def _markdown(state, config, final, stop_reason, emulated_npu, kb_stats, charts)
             ratio += f" ({record['ratio_ci'][0]:.3f}–{record['ratio_ci'][1]:.3f})"
         if record.get("reason") == "speed_unmeasured_numerics_ok":
             ratio = UNMEASURED
-        detail = html.escape((record.get("message") or "").replace("\n", " ").replace("|", "/"), quote=False)[:240]
+        detail = escape_cell((record.get("message") or "")[:240])
         lines.append(f"| {number} | {record.get('category')} | {record.get('recipe_id') or '-'} | "
                      f"{'accepted' if record.get('accepted') else record.get('reason')} | {ratio} | {detail} |")
     lines += [""] + _loop_cost(state)
@@ -226,15 +226,3 @@ def _charts(state, out_dir: Path, final: float | None) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
-
-
-def _html(markdown: str, charts: list[Path]) -> str:
-    body = []
-    for line in markdown.splitlines():
-        if line.startswith("!["):
-            continue
-        body.append(html.escape(line))
-    images = "".join(f'<p><img alt="{p.stem}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}"></p>' for p in charts)
-    return ("<!doctype html><meta charset='utf-8'><title>TrainBridge report</title>"
-            "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}pre{white-space:pre-wrap}</style>"
-            f"<pre>{chr(10).join(body)}</pre>{images}")

@@ -68,9 +68,7 @@ def make_candidate(workspace, intent: Intent, recipe: Recipe, attempt: int = 0, 
     name = candidate_name(intent, recipe.id, attempt)
     cand = workspace.start_candidate(name)
     if overlay is not None:
-        import subprocess
-
-        subprocess.run(["git", "checkout", overlay, "--", "."], cwd=cand.path, check=True, capture_output=True)
+        workspace.git(Path(cand.path), "checkout", overlay, "--", ".")
     reasons, close = [], []
     for span in intent.spans:
         path = Path(cand.path) / span.file

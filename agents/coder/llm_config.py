@@ -20,6 +20,7 @@ ENV_API_KEY = "TRAINBRIDGE_LLM_API_KEY"
 ENV_FALLBACK_API_KEY = "OPENAI_API_KEY"
 ENV_TIMEOUT = "TRAINBRIDGE_LLM_TIMEOUT"
 ENV_MAX_ATTEMPTS = "TRAINBRIDGE_LLM_MAX_ATTEMPTS"
+ENV_RETRIES = "TRAINBRIDGE_LLM_RETRIES"
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 
 
@@ -37,6 +38,9 @@ class LLMConfig(BaseModel):
     api_key: SecretStr | None = Field(default=None, description="None for local servers that take no key")
     timeout: float = Field(default=120.0, gt=0, le=3600, description="seconds per request")
     max_attempts: int = Field(default=3, ge=1, le=10, description="model replies tried per intent before giving up")
+    transport_retries: int = Field(default=4, ge=0, le=20, description="retries of one request after a 429, 5xx, timeout "
+                                   "or dropped connection (llm_client.py); they use up no patch attempt")
+    backoff_s: float = Field(default=1.0, ge=0, le=60, description="wait before the first retry; doubles per retry")
     temperature: float | None = Field(default=0.0, ge=0, le=2, description="None: let the server choose")
 
     @field_validator("base_url")
@@ -74,14 +78,14 @@ class LLMConfig(BaseModel):
             data["base_url"] = base_url
         if key:
             data["api_key"] = key
-        for name, field in ((ENV_TIMEOUT, "timeout"), (ENV_MAX_ATTEMPTS, "max_attempts")):
+        for name, field in ((ENV_TIMEOUT, "timeout"), (ENV_MAX_ATTEMPTS, "max_attempts"), (ENV_RETRIES, "transport_retries")):
             if (env.get(name) or "").strip():
                 data[field] = env[name].strip()
         try:
             config = cls.model_validate(data)
         except ValidationError as exc:
             names = {"base_url": ENV_BASE_URL, "model": ENV_MODEL, "timeout": ENV_TIMEOUT,
-                     "max_attempts": ENV_MAX_ATTEMPTS, "api_key": ENV_API_KEY}
+                     "max_attempts": ENV_MAX_ATTEMPTS, "api_key": ENV_API_KEY, "transport_retries": ENV_RETRIES}
             lines = [f"{names.get(str(err['loc'][0]), err['loc'][0])}: {err['msg'].removeprefix('Value error, ')}"
                      for err in exc.errors(include_url=False)]
             raise LLMConfigError("Invalid LLM settings:\n" + "\n".join(lines)) from None

@@ -324,7 +324,7 @@ def _apply_statements(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan
                                  f"({', '.join(str(f.site) for f, _ in edits)}); narrow the span or mark the recipe all_in_span")
         return stmts.replace_blocks(module, edits), [f.site for f, _ in edits]
     in_span = [f"{positions[s].start.line}: {module.code_for_node(s).strip().splitlines()[0][:150]}"
-               for block in stmts._blocks(module) for s in block.body
+               for block in stmts.statement_blocks(module) for s in block.body
                if span.line_start <= positions[s].start.line <= span.line_end]
     raise CodemodRefused(f"no statement sequence in {span} matches recipe {recipe.id}", near + in_span[:6])
 

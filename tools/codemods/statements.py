@@ -112,7 +112,7 @@ def sequences(params: dict) -> list[list[Slot]]:
 # --- finding matches ----------------------------------------------------------------------------
 
 
-def _blocks(module: cst.Module) -> list[cst.CSTNode]:
+def statement_blocks(module: cst.Module) -> list[cst.CSTNode]:
     blocks: list[cst.CSTNode] = [module]
 
     class Visitor(cst.CSTVisitor):
@@ -150,7 +150,7 @@ def _match_from(slots: list[Slot], body, start: int, bindings: Bindings):
 def find(module: cst.Module, positions, slots: list[Slot], span: SourceSpan, slack: int) -> tuple[list[Found], list[str]]:
     found: list[Found] = []
     near: list[str] = []
-    for block in _blocks(module):
+    for block in statement_blocks(module):
         body = list(block.body)
         for start in range(len(body)):
             for bindings, context in _match_from(slots, body, start, {}):

@@ -10,18 +10,19 @@ has already landed, is the run's own work.
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 from trainbridge.records import Intent
+from trainbridge.tools.git_ops import run_git
 
 _HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@")
 
 
 def added_lines(worktree: Path, base_sha: str) -> dict[str, set[int]]:
     """Repo-relative path -> line numbers (in the worktree's HEAD) added or changed since `base_sha`."""
-    diff = subprocess.run(["git", "diff", "-U0", "--no-color", "--no-ext-diff", base_sha, "HEAD"], cwd=worktree,
-                          capture_output=True, text=True, check=True).stdout
+    # explicit prefixes: the runner already overrides diff.noprefix / mnemonicPrefix, this says what is parsed
+    diff = run_git(worktree, "diff", "-U0", "--no-color", "--no-ext-diff", "--no-renames", "--src-prefix=a/",
+                   "--dst-prefix=b/", base_sha, "HEAD", "--")
     added: dict[str, set[int]] = {}
     current: str | None = None
     for line in diff.splitlines():

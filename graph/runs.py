@@ -58,9 +58,16 @@ def load_config(run_id: str, root: Path | None = None) -> tuple[RunConfig, RunPa
 
 
 def start_run(config: RunConfig, *, say: Callable[[str], None] = lambda m: None, root: Path | None = None) -> RunOutcome:
+    """Check the input (nothing is created for a run that would fail on it), record the run, run it."""
+    from trainbridge.graph.preflight import RunInputError, check_run_input
+
     paths = RunPaths(config.run_id, root)
     if paths.config.exists():
         raise RunError(f"run {config.run_id!r} already exists: continue it with `trainbridge resume {config.run_id}`")
+    try:
+        check_run_input(config)
+    except RunInputError as exc:
+        raise RunError(str(exc)) from None
     paths.dir.mkdir(parents=True, exist_ok=True)
     tmp = paths.config.with_suffix(".tmp")
     tmp.write_text(config.model_dump_json(indent=2), encoding="utf-8")

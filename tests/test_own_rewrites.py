@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from trainbridge.graph.landed import added_lines, is_own_rewrite
+from trainbridge.graph.own_rewrites import added_lines, is_own_rewrite
 from trainbridge.records import Intent, IntentSource, SourceSpan
 
 
@@ -39,3 +39,21 @@ def test_added_lines_and_own_rewrites(tmp_path):
     assert not is_own_rewrite(_intent("silu", "pkg/model.py", 7, 7), added, {"rmsnorm"})  # another category
     assert not is_own_rewrite(_intent("rmsnorm", "other.py", 1, 1), added, {"rmsnorm"})
     assert added_lines(repo, "HEAD") == {}
+
+
+def test_added_lines_ignore_the_users_diff_config(tmp_path):
+    """A user's diff.noprefix (or colour, mnemonic prefixes, an external diff driver) once made the
+    parser find nothing, and re-analysis proposed the run's own rewrites again."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "model.py").write_text("a\nb\nc\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "base")
+    base = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+    (repo / "model.py").write_text("a\nfused(b)\nc\n")
+    _git(repo, "commit", "-qam", "rewrite")
+    for key, value in {"diff.noprefix": "true", "diff.mnemonicPrefix": "true", "color.ui": "always",
+                       "color.diff": "always", "diff.external": "false", "diff.relative": "true"}.items():
+        _git(repo, "config", key, value)
+    assert added_lines(repo, base) == {"model.py": {2}}

@@ -1,4 +1,5 @@
-"""How recipes are ranked for an intent: pure scoring functions, every part of a score explained.
+"""How the retrieval agent ranks recipes for an intent: pure scoring functions, every part of a
+score explained.
 
 score = 3.0 x category       1 if the recipe's category is the intent's, 0.5 if related, else 0
       + 1.0 x target         0.5 + 0.5 / len(recipe.targets) when it supports the target backend
@@ -19,7 +20,7 @@ from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainbridge.knowledge.schema import Recipe, Target
+from trainbridge.knowledge.schema import OutcomeHit, Recipe, Target
 
 W_CATEGORY = 3.0
 W_TARGET = 1.0
@@ -51,15 +52,6 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class OutcomeHit(_Model):
-    """One past outcome found near the intent's evidence."""
-
-    recipe_id: str
-    accepted: bool
-    similarity: float
-    ratio: float | None = None
-
-
 class ScoreParts(_Model):
     category: float = Field(description="1 same category, 0.5 related, 0 other")
     target: float = Field(description="0.5 + 0.5/len(targets) if the backend is supported, else 0")
@@ -83,6 +75,11 @@ class RankedRecipe(_Model):
     score: float
     parts: ScoreParts
     explanation: str
+
+
+def related_categories(intent_category: str) -> set[str]:
+    """The intent's category and those whose recipes are worth trying for it."""
+    return {intent_category} | _RELATED.get(intent_category, set())
 
 
 def category_part(recipe_category: str, intent_category: str) -> float:

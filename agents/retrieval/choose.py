@@ -1,0 +1,58 @@
+"""The next intent to work on and the recipes to try for it, best first.
+
+Intents come in the analyst's order (largest estimated saving first). An intent whose only option
+is the last resort (a regional compile of the region) waits until no intent with a recipe of its
+own is left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from trainbridge.agents.retrieval.rank import rank_recipes
+from trainbridge.records import Intent
+
+if TYPE_CHECKING:
+    from trainbridge.knowledge.store import KnowledgeBase
+
+# The implementation ladder's last rung (reference README): compile just the region. Not on the NPU:
+# there `backend="npu"` may silently run eager, and without an NPU its speed cannot be judged here.
+LAST_RESORT_CATEGORY = "elementwise_chain"
+LAST_RESORT_TARGETS = ("cpu", "cuda")
+RANKED = 50  # recipes ranked per intent (every one of its category in practice)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The intent to work on (as the state holds it) and its recipe ids, best first."""
+
+    data: dict[str, Any]
+    intent: Intent
+    queue: list[str]
+    last_resort: bool
+
+
+def choose_intent(intents: Iterable[dict[str, Any]], *, done: Collection[str], kb: KnowledgeBase, target: str,
+                  allowed: Collection[str] | None) -> Choice | None:
+    """The first intent not done with a recipe of its own (restricted to ``allowed`` ids when given),
+    else the first one the last resort applies to; None when nothing is left to try."""
+    deferred: Choice | None = None
+    for data in intents:
+        intent = Intent.model_validate(data)
+        if intent.id in done:
+            continue
+        ranked = rank_recipes(kb, intent, target, n=RANKED)
+        queue = _allowed(allowed, [r.recipe.id for r in ranked if str(r.recipe.category) == str(intent.category)])
+        if queue:
+            return Choice(data, intent, queue, last_resort=False)
+        if target in LAST_RESORT_TARGETS and deferred is None:
+            last = _allowed(allowed, [r.id for r in kb.list_recipes(category=LAST_RESORT_CATEGORY, target=target)])
+            if last:
+                deferred = Choice(data, intent, last, last_resort=True)
+    return deferred
+
+
+def _allowed(allowed: Collection[str] | None, recipe_ids: list[str]) -> list[str]:
+    return [r for r in recipe_ids if allowed is None or r in allowed]

@@ -1,0 +1,59 @@
+"""A run's input checked before anything of the run exists (no run record, checkpoint or branch):
+the repository, its committed `trainbridge.toml`, the evidence pack, the LLM settings. Every message names the
+user's own paths (never a copy in a run's worktree) and says what to do."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from trainbridge.graph.state import RunConfig
+
+
+class RunInputError(ValueError):
+    """The run's input is unusable; the message names the user's path and the fix."""
+
+
+def check_run_input(config: RunConfig, env: Mapping[str, str] | None = None) -> list[str]:
+    """Raise RunInputError for input the run would fail on later; return notes worth showing. `env`:
+    where the LLM settings are read (default os.environ, as the run reads them)."""
+    from trainbridge.agents.coder.llm_config import LLMConfig, LLMConfigError
+    from trainbridge.sandbox.workload import CONFIG_FILE, WorkloadConfigError, load_workload
+    from trainbridge.tools.git_ops import GitOpsError, open_repo, run_git_status
+
+    repo = Path(config.repo).expanduser()
+    if not repo.exists():
+        raise RunInputError(f"{repo} does not exist: pass the path of your training repository's git checkout")
+    if not repo.is_dir():
+        raise RunInputError(f"{repo} is not a directory: pass the root of your training repository's git checkout")
+    try:
+        user = open_repo(repo)
+    except GitOpsError as exc:
+        raise RunInputError(str(exc)) from None
+    toml = user.root / CONFIG_FILE
+    committed = run_git_status(user.root, "show", f"HEAD:{CONFIG_FILE}", strip=False)
+    if not toml.is_file() and committed[0] != 0:
+        raise RunInputError(f"{toml} does not exist: write one that says how to run one training step (see the "
+                            "README's section on trainbridge.toml), commit it, and run again")
+    try:
+        load_workload(user.root)  # the user's own file, so errors point at it (file:line)
+    except WorkloadConfigError as exc:
+        raise RunInputError(str(exc)) from None
+    if committed[0] != 0:
+        raise RunInputError(f"{toml} is not committed: the run starts from the last commit ({user.head_sha[:12]}), "
+                            f"which has no {CONFIG_FILE}. Commit it (`git add {CONFIG_FILE} && git commit`) and run again")
+    if committed[1] != toml.read_text(encoding="utf-8"):
+        raise RunInputError(f"{toml} has uncommitted changes: the run starts from the last commit "
+                            f"({user.head_sha[:12]}), whose {CONFIG_FILE} differs. Commit the change (or "
+                            f"`git stash` it) and run again")
+    if config.reference_pack and not Path(config.reference_pack).is_file():
+        raise RunInputError(f"evidence pack {config.reference_pack} does not exist: pass the .tar.gz written by "
+                            "`trainbridge collect-evidence`, or leave --reference out")
+    if config.extra_recipe_dir and not Path(config.extra_recipe_dir).is_dir():
+        raise RunInputError(f"recipe folder {config.extra_recipe_dir} does not exist")
+    try:
+        LLMConfig.from_env(env if env is not None else os.environ)  # half-set LLM variables fail here, not mid-run
+    except LLMConfigError as exc:
+        raise RunInputError(str(exc)) from None
+    return list(user.notes)

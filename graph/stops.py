@@ -1,0 +1,67 @@
+"""Why a run stops, in one place: the typed stop reasons, the limits that end the loop (time budget,
+candidate limit, diminishing returns), and the exception for a run that cannot go on at all.
+
+The router after `decide` asks `limit_reached`; the report node states `stop_reason`; nothing
+else compares stop strings.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class RunStopped(RuntimeError):
+    """The run cannot continue (unsafe repository, baseline fails); the message says why."""
+
+
+class StopReason(StrEnum):
+    no_intents = "no_intents"  # retrieval found nothing left to try
+    budget_spent = "budget_spent"
+    budget_short = "budget_short"  # time left, but less than a typical candidate and the closing comparison
+    candidate_limit = "candidate_limit"
+    low_gain = "low_gain"
+
+
+@dataclass(frozen=True)
+class Stop:
+    reason: StopReason
+    message: str  # what the report and the CLI say
+
+
+NO_INTENTS = Stop(StopReason.no_intents, "no intents left")
+
+
+def budget_allows_another(state: dict[str, Any], config) -> bool:
+    """Time left for one more candidate as long as the typical one so far (the median gate time), and
+    then for the final comparison (its children counted against a gate's), so a run ends near its
+    budget rather than one gate past it."""
+    elapsed = time.time() - (state.get("started_at") or time.time())
+    gates = sorted(t["wall_s"] for t in state.get("phase_times") or [] if t["node"] == "profiler")
+    typical = gates[len(gates) // 2] if gates else 0.0
+    arms = 3 if config.compile_reference else 2
+    final = typical * (arms * config.final_rounds) / (2 * config.gate_rounds)
+    return elapsed + typical + final <= config.budget_s
+
+
+def limit_reached(state: dict[str, Any], config) -> Stop | None:
+    """The first limit that ends the loop now, or None while another candidate may be tried."""
+    if not budget_allows_another(state, config):
+        elapsed = time.time() - (state.get("started_at") or time.time())
+        if elapsed > config.budget_s:
+            return Stop(StopReason.budget_spent, "time budget spent")
+        return Stop(StopReason.budget_short, "time budget: not enough left for another candidate")
+    if (state.get("candidates_tried") or 0) >= config.max_candidates:
+        return Stop(StopReason.candidate_limit, f"candidate limit ({config.max_candidates}) reached")
+    if (state.get("low_gain_rounds") or 0) >= config.low_gain_rounds_to_stop:
+        return Stop(StopReason.low_gain, f"{config.low_gain_rounds_to_stop} accepted rounds below twice the minimum gain")
+    return None
+
+
+def stop_reason(state: dict[str, Any], config) -> str:
+    """Why the loop stopped (called as the report node starts, before its own measurements)."""
+    if state.get("stop_reason"):  # set by retrieval: nothing left to try
+        return state["stop_reason"]
+    return (limit_reached(state, config) or NO_INTENTS).message
