@@ -195,34 +195,19 @@ def route_after_apply_review(state: RunState) -> Literal["coder", "profiler", "d
 
 
 def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
-    from trainbridge.agents.profiler.gate import run_gate
-    from trainbridge.agents.profiler.numerics import NumericsTolerance
+    from trainbridge.agents.profiler.judge import judge_candidate, speed_measurable
 
     ctx = runtime.context
     candidate = Candidate.model_validate(state["candidate"])
     workspace = ctx.workspace(state["base_sha"])
     recipe = ctx.kb.get_recipe(candidate.recipe_id) if candidate.recipe_id else None
-    tolerance = tolerance_for(recipe.numerics, NumericsTolerance) if recipe is not None else None
-    emulated = ctx.config.target == "npu" and npu_emulated()
-    ctx.say(f"gate: {candidate.name} ({'numerics only: no NPU here' if emulated else f'{ctx.config.gate_rounds} interleaved rounds'})")
-    verdict = run_gate(load_workload(workspace.worktree), load_workload(Path(candidate.worktree)), backend=ctx.config.target,
-                       rounds=ctx.config.gate_rounds, max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain,
-                       tolerance=tolerance, emulated_speed=emulated)
+    measurable = speed_measurable(ctx.config.target)
+    ctx.say(f"gate: {candidate.name} ({f'{ctx.config.gate_rounds} interleaved rounds' if measurable else 'numerics only: no NPU here'})")
+    verdict = judge_candidate(workspace.worktree, Path(candidate.worktree), target=ctx.config.target,
+                              recipe_numerics=recipe.numerics if recipe is not None else None, rounds=ctx.config.gate_rounds,
+                              max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain)
     return {"node": "profiler", "verdict": verdict.model_dump(mode="json"), "candidates_tried": (state.get("candidates_tried") or 0) + 1,
             PARTS_KEY: dict(verdict.phase_seconds)}
-
-
-def tolerance_for(numerics, tolerance_class):
-    """The gate's tolerances from a recipe's numerics class (never tighter than the gate's defaults
-    for a tolerance recipe: the reference's own run-to-run drift sets the floor)."""
-    defaults = tolerance_class()
-    if numerics.class_ == "exact":
-        return tolerance_class(grad_rtol=1e-6, grad_atol=1e-9, loss_rtol=1e-6, loss_atol=1e-9)
-    return tolerance_class(
-        grad_rtol=max(numerics.rtol or 0.0, defaults.grad_rtol),
-        grad_atol=max(numerics.atol or 0.0, defaults.grad_atol),
-        loss_rtol=max(numerics.loss_rtol or 0.0, defaults.loss_rtol),
-    )
 
 
 # --- decide --------------------------------------------------------------------------------------

@@ -275,11 +275,10 @@ def _known_candidates(run_id: str, root: Path | None) -> dict[str, dict]:
 def _tolerance(knowledge, recipe_id: str | None):
     if knowledge is None or not recipe_id:
         return None
-    from trainbridge.agents.profiler.numerics import NumericsTolerance
-    from trainbridge.graph.nodes import tolerance_for
+    from trainbridge.agents.profiler.judge import tolerance_for
 
     recipe = knowledge.get_recipe(recipe_id)
-    return tolerance_for(recipe.numerics, NumericsTolerance) if recipe is not None else None
+    return tolerance_for(recipe.numerics) if recipe is not None else None
 
 
 def _record_outcome(knowledge, config, backend: str, outcome: ReplayOutcome) -> None:

@@ -358,9 +358,3 @@ def _returns_graph_unchanged(backend) -> bool:
 
     graph = torch.fx.symbolic_trace(_One())
     return backend(graph, [torch.ones(2)]) is graph
-
-
-# Old names: "probe" also means the profiler's gradient capture (agents/profiler/probe_*.py), so the
-# backend side is called availability. Kept for callers on branches in flight; remove after the merge.
-probe = availability
-ProbeCause = AvailabilityCause

@@ -31,7 +31,7 @@ import pytest
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.types import Command
 
-from trainbridge.agents.analyst.static_scan import scan_repo_result
+from trainbridge.agents.analyst.static.scan import scan_repo_result
 from trainbridge.agents.coder.candidate import make_candidate
 from trainbridge.graph import nodes
 from trainbridge.graph.runs import RunError, resume_run, run_status, start_run

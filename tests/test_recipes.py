@@ -33,7 +33,7 @@ import libcst as cst
 import pytest
 import torch
 
-from trainbridge.agents.analyst.static_scan import scan_repo
+from trainbridge.agents.analyst.static.scan import scan_repo
 from trainbridge.knowledge.schema import Recipe, load_recipe_dir
 from trainbridge.knowledge.store import SEED_DIR
 from trainbridge.records import SourceSpan

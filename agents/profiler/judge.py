@@ -1,0 +1,41 @@
+"""The profiler agent's entry point for the loop: judge one candidate commit against the run's head.
+
+The graph's profiler node and `trainbridge verify` call this; it picks the tolerances a recipe's
+numerics class allows and whether speed can be measured on this host, then runs the gate.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainbridge.agents.profiler.gate import run_gate
+from trainbridge.agents.profiler.numerics import NumericsTolerance
+from trainbridge.agents.profiler.verdict import Verdict
+from trainbridge.sandbox.backends import npu_emulated
+from trainbridge.sandbox.workload import load_workload
+
+
+def tolerance_for(numerics) -> NumericsTolerance:
+    """The gate's tolerances from a recipe's numerics class (never tighter than the gate's defaults
+    for a tolerance recipe: the reference's own run-to-run drift sets the floor)."""
+    defaults = NumericsTolerance()
+    if numerics.class_ == "exact":
+        return NumericsTolerance(grad_rtol=1e-6, grad_atol=1e-9, loss_rtol=1e-6, loss_atol=1e-9)
+    return NumericsTolerance(
+        grad_rtol=max(numerics.rtol or 0.0, defaults.grad_rtol),
+        grad_atol=max(numerics.atol or 0.0, defaults.grad_atol),
+        loss_rtol=max(numerics.loss_rtol or 0.0, defaults.loss_rtol),
+    )
+
+
+def speed_measurable(target: str) -> bool:
+    """False for the NPU target on a host where it runs under emulation: numerics only."""
+    return not (target == "npu" and npu_emulated())
+
+
+def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, recipe_numerics=None, rounds: int,
+                    max_rounds: int | None, min_gain: float) -> Verdict:
+    """The gate's verdict on the candidate worktree against the baseline worktree."""
+    tolerance = tolerance_for(recipe_numerics) if recipe_numerics is not None else None
+    return run_gate(load_workload(baseline_root), load_workload(candidate_root), backend=target, rounds=rounds,
+                    max_rounds=max_rounds, min_gain=min_gain, tolerance=tolerance, emulated_speed=not speed_measurable(target))
