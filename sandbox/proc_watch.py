@@ -149,15 +149,24 @@ def kill_all(stats: list[ProcStat]) -> None:
             pass
 
 
-def reap_orphans() -> None:
-    """Collect exited orphans handed to this process as subreaper (never blocks)."""
-    while True:
+def reap_orphans(since_ticks: int | None, exclude: int) -> int:
+    """Collect the exited orphans handed to this process as subreaper that started after `since_ticks`
+    (a sandbox child's start: its descendants), never `exclude` (the child itself, which its Popen
+    waits for). A Popen of another thread started after the child could match too and lose its
+    status; TrainBridge runs sandbox children from one thread at a time. Returns how many."""
+    reaped = 0
+    me = os.getpid()
+    for stat in all_stats():
+        if stat.ppid != me or stat.state != "Z" or stat.pid == exclude:
+            continue
+        if since_ticks is not None and stat.start_ticks < since_ticks:
+            continue
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            os.waitpid(stat.pid, os.WNOHANG)
+            reaped += 1
         except ChildProcessError:
-            return
-        if pid == 0:
-            return
+            pass
+    return reaped
 
 
 @dataclass

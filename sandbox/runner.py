@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from trainbridge.sandbox import proc_watch
 from trainbridge.sandbox.backends import Backend, npu_selection
 from trainbridge.sandbox.command_mode import parse_command_output
 from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory, network_isolation, scrubbed_env
@@ -179,6 +180,8 @@ def _run_child(argv, *, cwd, env, memory_limit_mb, timeout_s, tmp_dir: Path, on_
             )
         except OSError as exc:
             return _ChildOutcome(None, False, "", f"could not start {argv[0]}: {exc}")
+        started = proc_watch.read_stat(child.pid)
+        started_ticks = started.start_ticks if started else None
         deadline = time.monotonic() + timeout_s
         timed_out = False
         reported = -1
@@ -196,6 +199,7 @@ def _run_child(argv, *, cwd, env, memory_limit_mb, timeout_s, tmp_dir: Path, on_
         finally:
             if child.poll() is None:
                 _kill_group(child)
+            proc_watch.reap_orphans(started_ticks, exclude=child.pid)  # its descendants, if they were handed to us
         if on_progress is not None:
             on_progress(_count_lines(progress_path))
     return _ChildOutcome(

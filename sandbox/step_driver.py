@@ -128,12 +128,14 @@ def drive(
             if alive:
                 watch.survivors = [f"pid {s.pid} (session {s.sid}, process group {s.pgid})" for s in alive]
                 proc_watch.kill_all(alive)
-            for stat in survivors:  # orphans handed to us as subreaper are our children now: reap them
+            for stat in alive:  # orphans handed to us as subreaper are our children now: reap them
                 if stat.ppid == os.getpid():
                     try:
                         os.waitpid(stat.pid, 0)
                     except ChildProcessError:
                         pass
+            if reaper:
+                proc_watch.reap_orphans(since, exclude=child.pid)
             channel.close()
         out.returncode = child.returncode
     return out
