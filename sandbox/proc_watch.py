@@ -185,7 +185,8 @@ def sample_tree(pid: int, *, base_nice: int, reaper_pid: int | None, since_ticks
     if stat is None:
         return None
     live = thread_cpu_ns(pid)
-    cpu = max(stat.cpu_ns, live or 0)
+    # schedstat keeps nanoseconds (live threads only); stat keeps clock ticks (10 ms), exited threads included
+    cpu = live if live is not None else stat.cpu_ns
     kids = descendants(pid, reaper_pid=reaper_pid, since_ticks=since_ticks)
     helpers = sum(k.cpu_ns for k in kids)
     cpu += helpers

@@ -321,4 +321,8 @@ def test_a_slowdown_is_planted_in_any_entry_workload(tmp_path):
     assert runs[0].losses == runs[1].losses  # the same work, only slower
     medians = [statistics.median(r.step_times_s) for r in runs]
     ratio = statistics.median([medians[1] / medians[0], medians[2] / medians[3]])
-    assert 1.6 < ratio < 2.6, (ratio, medians)
+    # the plant doubles train_step; the parent-timed step also holds batch(i) (a 256x512 randn, about a
+    # millisecond) and the control channel's round trip, which it does not slow: so less than 2x here
+    assert 1.3 < ratio < 2.6, (ratio, medians)
+    inner = [statistics.median(r.inner_step_times_s) for r in runs]
+    assert statistics.median([inner[1] / inner[0], inner[2] / inner[3]]) > ratio * 0.9  # the child's clock agrees

@@ -36,6 +36,7 @@ RATE_TOLERANCE = 0.1
 RATE_SLACK_S = 0.015
 CORES_RATIO = 1.15
 CORES_SLACK = 0.25
+MIN_CORES_WALL_S = 0.05  # shorter timed phases: the kernel's CPU accounting is too coarse to judge
 HELPER_SHARE = 0.1  # helpers' CPU beyond the baseline's, as a share of the timed wall time
 MAX_LISTED = 5
 
@@ -114,7 +115,7 @@ def check_resources(baseline: RunResult, candidate: RunResult, threads: int, whe
         findings.append(Finding(kind=FindingKind.tampered_resources, message=(
             f"{where}: helper processes of the candidate used {watch.helper_cpu_s:.2f} s of CPU during {watch.wall_s:.2f} s of "
             f"timed steps (the baseline's: {base_helpers:.2f} s): work was handed to other processes")))
-    if watch.cores_used is not None and base is not None and base.cores_used is not None:
+    if watch.cores_used is not None and base is not None and base.cores_used is not None and (watch.wall_s or 0.0) >= MIN_CORES_WALL_S:
         allowed = max(float(threads), base.cores_used) * CORES_RATIO + CORES_SLACK
         if watch.cores_used > allowed:
             helpers = f", with {len(watch.extra_processes)} helper process(es)" if watch.extra_processes else ""
