@@ -123,7 +123,7 @@ def test_runtime_analysis_of_each_example_finds_its_patterns_and_nothing_false(n
     """`trainbridge analyze` (profiled step, no compile here to keep CI short): every hand-written pattern
     the source scan expects is found at its lines with eager ops attached; the only additions are the
     advisor's reshape+transpose findings, each on a line that really reshapes and transposes."""
-    from trainbridge.tests.test_static_scan import EXPECTED_EXAMPLES
+    from trainbridge.tests.static_scan_expectations import EXPECTED_EXAMPLES
 
     root = Path(__file__).resolve().parents[1] / "examples" / name
     analysis = analyze_repo(load_workload(root), compile_reference=False)

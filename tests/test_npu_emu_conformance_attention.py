@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainbridge.tests.test_npu_emulation import tnpu, to_npu, upstream  # noqa: F401 (tnpu is a fixture)
+from trainbridge.tests.npu_emulation_support import tnpu, to_npu, upstream  # noqa: F401 (tnpu is a fixture)
 
 OP = "Ascend/op-plugin test/test_custom_ops/"
 FA, FA_GRAD = OP + "test_npu_flash_attention.py", OP + "test_npu_flash_attention_grad.py"

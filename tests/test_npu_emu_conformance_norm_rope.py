@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainbridge.tests.test_npu_emulation import tnpu, to_npu, upstream  # noqa: F401 (tnpu is a fixture)
+from trainbridge.tests.npu_emulation_support import tnpu, to_npu, upstream  # noqa: F401 (tnpu is a fixture)
 
 OP = "Ascend/op-plugin test/test_custom_ops/"
 OP_BASE = "Ascend/op-plugin test/test_base_ops/"

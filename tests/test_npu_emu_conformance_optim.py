@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.optim import SGD, Adadelta, Adam, AdamW, RMSprop
 
-from trainbridge.tests.test_npu_emulation import on_device, tnpu, to_npu, upstream  # noqa: F401 (fixture)
+from trainbridge.tests.npu_emulation_support import on_device, tnpu, to_npu, upstream  # noqa: F401 (fixture)
 
 SRC = "Ascend/pytorch test/optim/test_fused_optimizers.py"
 _CASES = [

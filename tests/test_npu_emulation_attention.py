@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbridge.tests.test_npu_emulation import (  # noqa: F401 (tnpu is a fixture)
+from trainbridge.tests.npu_emulation_support import (  # noqa: F401 (tnpu is a fixture)
     TEMPLATE,
-    _assert_close_all,
-    _grads,
+    assert_close_all,
+    grads_of,
     tnpu,
 )
 
@@ -170,11 +170,11 @@ def test_fusion_attention_gqa_backward_matches_reference(tnpu):
     scale = 0.3
     up = torch.randn(2, 6, 5, 8, dtype=torch.float64)
     keep = _bottom_right(5, 6)
-    out, got = _grads(lambda a, b, c: tnpu.npu_fusion_attention(a, b, c, 6, "BNSD", atten_mask=TEMPLATE, scale=scale,
+    out, got = grads_of(lambda a, b, c: tnpu.npu_fusion_attention(a, b, c, 6, "BNSD", atten_mask=TEMPLATE, scale=scale,
                                                                  sparse_mode=3)[0], [q, k, v], up)
-    ref, want = _grads(lambda a, b, c: _ref_attn(a, b, c, keep=keep, scale=scale), [q, k, v], up)
+    ref, want = grads_of(lambda a, b, c: _ref_attn(a, b, c, keep=keep, scale=scale), [q, k, v], up)
     torch.testing.assert_close(out, ref)
-    _assert_close_all(got, want)
+    assert_close_all(got, want)
 
 
 @pytest.mark.parametrize("case", ["dense", "causal3", "window4", "gqa_mask0", "pse", "sink"])
@@ -251,10 +251,10 @@ def test_fusion_attention_tnd_varlen(tnpu, mode):
         return tnpu.npu_fusion_attention(a, b, c, 2, "TND", atten_mask=TEMPLATE, scale=0.7, sparse_mode=mode,
                                          actual_seq_qlen=_cum(lq), actual_seq_kvlen=_cum(lk), **extra)[0]
 
-    out, got = _grads(fused, [q, k, v], up)
-    ref, want = _grads(lambda a, b, c: _tnd_reference(a, b, c, lq, lk, keep_fn, 0.7), [q, k, v], up)
+    out, got = grads_of(fused, [q, k, v], up)
+    ref, want = grads_of(lambda a, b, c: _tnd_reference(a, b, c, lq, lk, keep_fn, 0.7), [q, k, v], up)
     torch.testing.assert_close(out, ref)
-    _assert_close_all(got, want)
+    assert_close_all(got, want)
     assert got[1][sum(lk[:2]):sum(lk[:3])].abs().max() == 0  # keys of the empty-query sequence get no grad
 
 
@@ -307,7 +307,7 @@ def test_fusion_attention_tnd_full_mask_and_grad_api(tnpu):
     out.backward(dy)
     dq, dk, dv, _, _ = tnpu.npu_fusion_attention_grad(q, k, v, dy, 2, "TND", softmax_max=smax, softmax_sum=ssum,
                                                       **common)
-    _assert_close_all([dq, dk, dv], [qs.grad, ks.grad, vs.grad])
+    assert_close_all([dq, dk, dv], [qs.grad, ks.grad, vs.grad])
     # wrong statistics give wrong gradients: the explicit backward really uses them
     bad = tnpu.npu_fusion_attention_grad(q, k, v, dy, 2, "TND", softmax_max=smax, softmax_sum=ssum * 2, **common)
     assert not torch.allclose(bad[0], dq)
@@ -336,7 +336,7 @@ def test_fusion_attention_grad_api_matches_autograd_with_dropout(tnpu):
     dq, dk, dv, dpse, dsink = tnpu.npu_fusion_attention_grad(
         q, k, v, dy, 2, "BNSD", softmax_max=smax, softmax_sum=ssum, attention_in=out.detach(), scale_value=0.4,
         seed=seed, offset=offset, numels=numels, **kwargs)
-    _assert_close_all([dq, dk, dv], [qs.grad, ks.grad, vs.grad])
+    assert_close_all([dq, dk, dv], [qs.grad, ks.grad, vs.grad])
     assert dpse.numel() == 0 and dsink.numel() == 0
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbridge.tests.test_npu_emulation import (  # noqa: F401 (tnpu is a fixture)
-    _assert_close_all,
-    _grads,
+from trainbridge.tests.npu_emulation_support import (  # noqa: F401 (tnpu is a fixture)
+    assert_close_all,
+    grads_of,
     tnpu,
 )
 
@@ -31,12 +31,12 @@ def test_rms_norm_forward_backward_match_formula(tnpu):
     assert rstd.shape == (2, 3, 1) and rstd.dtype == torch.float32
     torch.testing.assert_close(rstd, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     dy = torch.randn(2, 3, 8)
-    _, got = _grads(lambda a, g: tnpu.npu_rms_norm(a, g, 1e-5)[0], [x, gamma], dy)
-    _, want = _grads(lambda a, g: _ref_rms(a, g, 1e-5), [x, gamma], dy)
-    _assert_close_all(got, want)
+    _, got = grads_of(lambda a, g: tnpu.npu_rms_norm(a, g, 1e-5)[0], [x, gamma], dy)
+    _, want = grads_of(lambda a, g: _ref_rms(a, g, 1e-5), [x, gamma], dy)
+    assert_close_all(got, want)
     # the explicit backward op gives the same, with dgamma in fp32
     dx, dgamma = tnpu.npu_rms_norm_backward(dy, x, gamma, rstd)
-    _assert_close_all([dx, dgamma], want)
+    assert_close_all([dx, dgamma], want)
 
 
 def test_rms_norm_gradcheck_float64_two_dim_gamma(tnpu):
@@ -134,9 +134,9 @@ def test_add_rms_norm_trains_through_documented_wrapper(tnpu):
     def ref(a, b, g):
         return _ref_rms(a + b, g, 1e-6) + 0.5 * (a + b)
 
-    _, got = _grads(fused, inputs, up)
-    _, want = _grads(ref, inputs, up)
-    _assert_close_all(got, want)
+    _, got = grads_of(fused, inputs, up)
+    _, want = grads_of(ref, inputs, up)
+    assert_close_all(got, want)
 
 
 def test_add_rms_norm_validation(tnpu):
@@ -174,10 +174,10 @@ def test_rotary_half_matches_hf_formula(tnpu, layout):
     }[layout]
     x, r1, r2 = torch.randn(shape), cos.reshape(rshape), sin.reshape(rshape)
     up = torch.randn(shape)
-    out, got = _grads(lambda a, c, si: tnpu.npu_rotary_mul(a, c, si), [x, r1, r2], up)
-    ref, want = _grads(lambda a, c, si: a * c + _rotate_half(a) * si, [x, r1, r2], up)
+    out, got = grads_of(lambda a, c, si: tnpu.npu_rotary_mul(a, c, si), [x, r1, r2], up)
+    ref, want = grads_of(lambda a, c, si: a * c + _rotate_half(a) * si, [x, r1, r2], up)
     torch.testing.assert_close(out, ref)
-    _assert_close_all(got, want)
+    assert_close_all(got, want)
 
 
 def test_rotary_interleave_matches_llama_complex_form(tnpu):
@@ -221,9 +221,9 @@ def test_rotary_rotate_matrix_forward_and_ignored_backward(tnpu):
     # torch_npu's autograd ignores `rotate` and uses the mode's standard rotation (documented pitfall)
     other = torch.eye(d)
     up = torch.randn(1, 2, 3, d)
-    _, with_rotate = _grads(lambda a: tnpu.npu_rotary_mul(a, r1, r2, "half", other), [x], up)
-    _, standard = _grads(lambda a: tnpu.npu_rotary_mul(a, r1, r2, "half"), [x], up)
-    _, true_grad = _grads(lambda a: a * r1 + (a @ other) * r2, [x], up)
+    _, with_rotate = grads_of(lambda a: tnpu.npu_rotary_mul(a, r1, r2, "half", other), [x], up)
+    _, standard = grads_of(lambda a: tnpu.npu_rotary_mul(a, r1, r2, "half"), [x], up)
+    _, true_grad = grads_of(lambda a: a * r1 + (a @ other) * r2, [x], up)
     torch.testing.assert_close(with_rotate[0], standard[0])
     assert not torch.allclose(with_rotate[0], true_grad[0])
 
@@ -255,8 +255,8 @@ def test_swiglu_activates_first_half(tnpu, dim):
     x, up = torch.randn(3, 6, 4), None
     a, b = x.chunk(2, dim=dim)
     up = torch.randn((F.silu(a) * b).shape)
-    out, got = _grads(lambda t: tnpu.npu_swiglu(t, dim), [x], up)
-    ref, want = _grads(lambda t: F.silu(t.chunk(2, dim=dim)[0]) * t.chunk(2, dim=dim)[1], [x], up)
+    out, got = grads_of(lambda t: tnpu.npu_swiglu(t, dim), [x], up)
+    ref, want = grads_of(lambda t: F.silu(t.chunk(2, dim=dim)[0]) * t.chunk(2, dim=dim)[1], [x], up)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(tnpu.npu_swiglu_backward(up, x, dim), want[0])

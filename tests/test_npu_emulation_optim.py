@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbridge.tests.test_npu_emulation import (  # noqa: F401 (tnpu is a fixture)
+from trainbridge.tests.npu_emulation_support import (  # noqa: F401 (tnpu is a fixture)
     tnpu,
 )
 

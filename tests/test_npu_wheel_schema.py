@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from trainbridge.tests.test_npu_emulation import EMULATED_OPS, assert_signature_matches, tnpu  # noqa: F401 (tnpu is a fixture)
+from trainbridge.tests.npu_emulation_support import EMULATED_OPS, assert_signature_matches, tnpu  # noqa: F401 (tnpu is a fixture)
 
 WHEEL_VERSION = "2.13.0"  # pairs with the torch this project pins
 SCHEMAS = Path(__file__).parent / "fixtures" / "npu_reference" / f"torch_npu_{WHEEL_VERSION}_wheel_schemas.txt"
