@@ -4,6 +4,9 @@ A crashed, hung or memory-hungry workload never takes TrainBridge down: the chil
 process group (killed as a whole on timeout), under an address-space cap, with a scrubbed
 environment and, where the host allows, no network.
 
+Script-mode runs (`launch = "python train.py ..."`) are driven the same way, by the launcher of
+sandbox/script_launcher.py (sandbox/script_run.py prepares them).
+
 Timed entry-mode runs (modes "measure" and "gate") are driven step by step over a control channel
 and timed on this process's clock (sandbox/step_driver.py); analysis modes exchange a request and a
 result file with the harness.
@@ -21,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trainbridge.sandbox import proc_watch
+from trainbridge.sandbox import proc_watch, script_run
 from trainbridge.sandbox.backends import Backend, npu_selection
 from trainbridge.sandbox.command_mode import parse_command_output
 from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory, network_isolation, scrubbed_env
@@ -59,6 +62,8 @@ def run_workload(
         env = selection_env(npu_selection(), env)
     total = config.warmup_steps + config.steps
     with scratch_dir("trainbridge-run-", work_dir) as tmp_dir:
+        if config.mode == "script":
+            return _run_script(workload, target, mode, plan, env, isolation, memory_limit_mb, tmp_dir, extra_request, on_progress)
         if config.mode == "entry" and mode in CHANNEL_MODES:
             if plan is None and mode == "gate":
                 raise ValueError("mode 'gate' needs a StepPlan (its batch indices, probe and parameter deltas)")
@@ -120,6 +125,33 @@ def run_workload(
 
 
 CHANNEL_MODES = ("measure", "gate")
+
+
+def _run_script(workload: Workload, target: Backend, mode: str, plan: StepPlan | None, env: dict[str, str], isolation,
+                memory_limit_mb: int, tmp_dir: Path, extra_request: dict[str, Any] | None, on_progress) -> RunResult:
+    """Script mode (sandbox/script_run.py): the user's script under sandbox/script_launcher.py, driven like entry mode."""
+    config = workload.config
+    base = _base_result(config, target, isolation, memory_limit_mb)
+    setup = script_run.prepare(workload, backend=target.name, mode=mode, tmp_dir=tmp_dir, extra_request=extra_request)
+    if isinstance(setup, Failure):
+        base.failure = setup
+        return base
+    if plan is None and mode == "gate":
+        raise ValueError("mode 'gate' needs a StepPlan (its batch indices, probe and parameter deltas)")
+    plan = plan or StepPlan.sequential(config.warmup_steps, config.steps)
+    base.warmup_steps = len(plan.warmup)
+    steps_total = len(plan.warmup) + len(plan.measured) + len(plan.cooldown)
+    total = config.warmup_steps + config.steps
+    started = time.monotonic()
+    outcome = drive([*isolation.prefix, sys.executable, "-m", script_run.LAUNCHER_MODULE], request=setup.request, plan=plan,
+                    cwd=setup.run_dir.cwd, env=env, preexec_fn=limit_memory(memory_limit_mb), timeout_s=config.timeout_s,
+                    stdout_path=tmp_dir / "stdout.txt", stderr_path=tmp_dir / "stderr.txt",
+                    on_progress=(lambda done: on_progress(min(done, total), total)) if on_progress else None)
+    base.wall_s = time.monotonic() - started
+    base.stdout_tail = (tmp_dir / "stdout.txt").read_text(encoding="utf-8", errors="replace")[-TAIL_CHARS:]
+    base.stderr_tail = (tmp_dir / "stderr.txt").read_text(encoding="utf-8", errors="replace")[-TAIL_CHARS:]
+    result = _driven_result(base, outcome, config.timeout_s, steps_total)
+    return script_run.finish(result, setup, outcome.result, config.timeout_s)
 
 
 def _base_result(config, target: Backend, isolation, memory_limit_mb: int) -> RunResult:

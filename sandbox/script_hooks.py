@@ -1,0 +1,397 @@
+"""Script mode's hooks: seeds, the loss from `backward()`, step boundaries from optimizer steps (runs INSIDE the child).
+
+The user's script runs unmodified; these hooks find its training step:
+
+- **Seeds.** `torch.manual_seed`, `torch.cuda.manual_seed(_all)`, `random.seed`, `numpy.random.seed`
+  and `numpy.random.default_rng` are wrapped before the script runs: each call the script makes
+  gets a seed derived from the gate's seed and the script's own value (`derive_seed`), so runs
+  with the same gate seed see the same data order and a candidate cannot know its seed in advance;
+  two seeds the script keeps apart (`1337 + rank`) stay apart.
+- **Loss.** `torch.Tensor.backward` / `torch.autograd.backward` are wrapped: the scalars that
+  backward is called on between two step boundaries are summed (gradient accumulation).
+- **Step boundaries.** PyTorch's global optimizer-step hooks see every optimizer the script makes.
+  A step ends when its last optimizer has stepped, which shows as the next backward beginning or
+  an optimizer that already stepped stepping again (several optimizers per step included); the
+  script's end closes the last step.
+
+At each boundary the `StepController` answers the parent's pending command (sandbox/step_server.py's
+protocol: the `step` reply carries the loss and the child's own time) and blocks reading the next
+one, so the parent's clock times exactly one optimizer step per command. The first boundary is the
+first backward: the model is built by then, and the child says `ready`. `probe` runs as many
+untimed steps as it has batch indices, capturing the first step's gradients in the optimizer
+pre-hook (sandbox/numerics_probe.py's file and report format); `mark` / `final` cover every
+parameter of every optimizer. `exit` sends the closing result and ends the process at once
+(os._exit): nothing of the script runs after the last step, so it leaves no half-written checkpoint.
+The batch index of a `step` command cannot choose a script's data: the seed does.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SEED_BOUND = 2**63 - 1
+NUMPY_SEED_BOUND = 2**32
+_INT_VIEW_BY_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+class ScriptFailure(BaseException):
+    """A failure the launcher reports (BaseException: a script's `except Exception` must not swallow it)."""
+
+    def __init__(self, kind: str, message: str, *, step: int | None = None):
+        super().__init__(message)
+        self.kind, self.message, self.step = kind, message, step
+
+
+def derive_seed(gate_seed: int, value: Any, bound: int = SEED_BOUND) -> int:
+    """The seed a script's seeding call gets: a function of the gate's seed and the script's value only."""
+    digest = hashlib.sha256(f"{int(gate_seed)}:{value!r}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % bound
+
+
+@dataclass
+class SeedControl:
+    """Wraps the seeding functions; `calls` records (function, the script's value, the seed it got)."""
+
+    gate_seed: int
+    calls: list[tuple[str, str, int]] = field(default_factory=list)
+    originals: dict[str, Callable] = field(default_factory=dict)
+    inside: bool = False
+
+    def install(self) -> "SeedControl":
+        import random
+
+        import torch
+
+        self._wrap(torch, "manual_seed", "torch.manual_seed", SEED_BOUND)
+        self._wrap(torch.random, "manual_seed", "torch.manual_seed", SEED_BOUND, original=self.originals["torch.manual_seed"])
+        for name in ("manual_seed", "manual_seed_all"):
+            if hasattr(torch.cuda, name):
+                self._wrap(torch.cuda, name, f"torch.cuda.{name}", SEED_BOUND)
+        self._wrap(random, "seed", "random.seed", SEED_BOUND, keep_none=True)
+        try:
+            import numpy
+        except ImportError:
+            return self
+        self._wrap(numpy.random, "seed", "numpy.random.seed", NUMPY_SEED_BOUND, keep_none=True)
+        self._wrap(numpy.random, "default_rng", "numpy.random.default_rng", SEED_BOUND, keep_none=True)
+        return self
+
+    def seed_everything(self) -> None:
+        """Seed every generator with the gate's seed itself (for scripts that never seed)."""
+        self.inside = True
+        try:
+            self.originals["torch.manual_seed"](self.gate_seed % SEED_BOUND)
+            self.originals["random.seed"](self.gate_seed)
+            if "numpy.random.seed" in self.originals:
+                self.originals["numpy.random.seed"](self.gate_seed % NUMPY_SEED_BOUND)
+        finally:
+            self.inside = False
+
+    def _wrap(self, owner, attribute: str, label: str, bound: int, *, keep_none: bool = False, original=None) -> None:
+        original = original or getattr(owner, attribute)
+        self.originals.setdefault(label, original)
+        control = self
+
+        def seeded(seed=None, *args, **kwargs):
+            if control.inside:  # torch.manual_seed seeds CUDA through torch.cuda.manual_seed_all: already derived
+                return original(seed, *args, **kwargs)
+            if seed is None and keep_none:  # `random.seed()` / `default_rng()`: the gate's seed, not the clock
+                derived = derive_seed(control.gate_seed, "unseeded", bound)
+            else:
+                derived = derive_seed(control.gate_seed, seed, bound)
+            control.calls.append((label, repr(seed)[:80], derived))
+            control.inside = True
+            try:
+                return original(derived, *args, **kwargs)
+            finally:
+                control.inside = False
+
+        seeded.__name__ = getattr(original, "__name__", attribute)
+        seeded.__doc__ = getattr(original, "__doc__", None)
+        setattr(owner, attribute, seeded)
+
+
+def fingerprint(tensor) -> tuple[int, int]:
+    """An exact fingerprint of a tensor's bits (any changed element changes it)."""
+    import torch
+
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return (0, 0)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    bits = flat.view(getattr(torch, _INT_VIEW_BY_SIZE[flat.element_size()])).to(torch.int64)
+    weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
+    return int(bits.sum().item()), int((bits * weights).sum().item())
+
+
+def tracked_params() -> list[tuple[str, Any]]:
+    """Every parameter of every live optimizer's param_groups, named after the module that holds it
+    (`<RootModuleClass>.<name>`; a torch.compile wrapper is named after the module it wraps), else
+    `optimizer<i>.group<g>.<j>`. Optimizers and parameters in their order of creation / appearance."""
+    import torch
+
+    objects = gc.get_objects()
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    modules = [o for o in objects if isinstance(o, torch.nn.Module)]
+    children = {id(child) for module in modules for child in module.children()}
+    names: dict[int, str] = {}
+    used: set[str] = set()
+    for root in (m for m in modules if id(m) not in children):
+        inner = getattr(root, "_orig_mod", root)
+        for name, param in root.named_parameters():
+            qualified = f"{type(inner).__name__}.{name.replace('_orig_mod.', '')}"
+            while qualified in used:
+                qualified += "'"
+            if id(param) not in names:
+                names[id(param)] = qualified
+                used.add(qualified)
+    out, seen = [], set()
+    for o_index, optimizer in enumerate(optimizers):
+        for g_index, group in enumerate(optimizer.param_groups):
+            for p_index, param in enumerate(group["params"]):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                out.append((names.get(id(param), f"optimizer{o_index}.group{g_index}.{p_index}"), param))
+    return out
+
+
+@dataclass
+class _Probe:
+    """The numerics probe over the script's next `len(batch_indices)` steps."""
+
+    seed: int
+    batch_indices: list[int]
+    grads_path: Path
+    params: list[tuple[str, Any]]
+    grads: dict[str, Any] = field(default_factory=dict)
+    losses: list[float] = field(default_factory=list)
+    unchanged: list[list[str]] = field(default_factory=list)
+    same_object: list[bool] = field(default_factory=list)
+    loss_objects: list[Any] = field(default_factory=list)
+    before: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def steps_left(self) -> int:
+        return len(self.batch_indices) - len(self.losses)
+
+    def capture(self, optimizer) -> None:
+        """Pre-hook of an optimizer in the probe's first step: the gradients it is about to apply."""
+        ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for name, param in self.params:
+            if id(param) in ids and param.grad is not None and name not in self.grads:
+                self.grads[name] = param.grad.detach().to("cpu", copy=True)
+
+    def after_step(self, loss: float, loss_objects: list[Any]) -> None:
+        after = {name: fingerprint(p) for name, p in self.params}
+        self.unchanged.append([name for name, _ in self.params if after[name] == self.before.get(name)])
+        self.same_object.append(any(obj is old for obj in loss_objects for old in self.loss_objects))
+        self.loss_objects.extend(loss_objects)
+        self.losses.append(loss)
+        self.before = after
+
+    def report(self) -> dict[str, Any]:
+        import torch
+
+        self.grads_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(self.grads, self.grads_path)
+        names = [name for name, _ in self.params]
+        steps = len(self.losses)
+        return {"seed": self.seed, "batch_indices": self.batch_indices, "grads_path": str(self.grads_path), "param_names": names,
+                "param_shapes": {name: list(p.shape) for name, p in self.params},
+                "trainable": [name for name, p in self.params if p.requires_grad],
+                "no_grad_params": [name for name, p in self.params if p.requires_grad and name not in self.grads],
+                "grad_loss": self.losses[0], "losses": self.losses, "batch_hashes": [None] * steps, "batch_repeatable": False,
+                "batch_mutated_by_step": [False] * steps, "unchanged_params": self.unchanged, "same_loss_object": self.same_object,
+                "compiled": False}
+
+
+@dataclass
+class _Pending:
+    index: int
+    started: float
+
+
+class StepController:
+    """Answers the parent's commands at the script's step boundaries (see the module doc).
+    `check_ready()` returns problems that stop the run at the first boundary (unmatched overrides);
+    `close(failure)` sends the closing result and ends the process (it never returns)."""
+
+    def __init__(self, channel, backend, *, check_ready: Callable[[], list[str]], close: Callable[[dict | None], None]):
+        self.channel, self.backend = channel, backend
+        self.check_ready, self.close = check_ready, close
+        self.started = self.finished = False
+        self.steps_done = 0  # completed optimizer steps (boundaries after the first)
+        self.stepped: list[Any] = []  # optimizers that stepped since the last boundary, in order
+        self.loss_parts: list[Any] = []
+        self._loss_objects: list[Any] = []
+        self.pending: _Pending | None = None
+        self.probe: _Probe | None = None
+        self.marked: dict[str, Any] | None = None
+        self.optimizer_count = 0
+        self.in_backward = False
+
+    # --- hooks ---------------------------------------------------------------------------------
+    def on_backward(self, tensors) -> None:
+        if not self.started:
+            self._first_boundary()
+        elif self.stepped:
+            self._boundary()
+        import torch
+
+        for tensor in (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors or ()):
+            if isinstance(tensor, torch.Tensor) and tensor.numel() == 1:
+                self.loss_parts.append(tensor)
+
+    def on_optimizer_pre(self, optimizer, args, kwargs) -> None:
+        if not self.started:
+            self._first_boundary()
+        elif any(optimizer is seen for seen in self.stepped):
+            self._boundary()
+        if self.probe is not None and not self.probe.losses:
+            self.probe.capture(optimizer)
+        self.stepped.append(optimizer)
+        self.optimizer_count = max(self.optimizer_count, len(self.stepped))
+
+    def script_ended(self) -> None:
+        """The script returned: its last step ends here; then only `mark`, `final` and `exit` can be answered."""
+        self.finished = True
+        if self.started and self.stepped:
+            self._boundary()
+        elif self.started:
+            self._serve()
+
+    # --- boundaries ----------------------------------------------------------------------------
+    def _first_boundary(self) -> None:
+        self.started = True
+        problems = self.check_ready()
+        if problems:
+            self.close({"kind": "bad_workload", "message": "; ".join(problems)})
+        self.channel.send({"op": "ready"})
+        self._serve()
+
+    def _boundary(self) -> None:
+        self.backend.sync()
+        loss = self._take_loss()
+        now = time.perf_counter()
+        self.steps_done += 1
+        self.stepped = []
+        if self.probe is not None:
+            self.probe.after_step(loss, self._loss_objects)
+            if self.probe.steps_left > 0 and not self.finished:
+                return  # the probe's steps run untimed, one after the other
+            if self.probe.steps_left > 0:
+                self.close(self._ended_early("the numerics probe"))
+            report, self.probe = self.probe.report(), None
+            self.channel.send({"op": "probe", "report": report})
+        elif self.pending is not None:
+            pending, self.pending = self.pending, None
+            # NaN/inf travel as JSON's NaN/Infinity, as in step_server
+            self.channel.send({"op": "step", "index": pending.index, "loss": loss, "inner_s": now - pending.started, "clock": now})
+        self._serve()
+
+    def _take_loss(self) -> float:
+        import torch
+
+        parts, self.loss_parts = self.loss_parts, []
+        self._loss_objects = parts
+        if not parts:
+            return math.nan
+        total = torch.stack([p.detach().float().reshape(()).cpu() for p in parts]).sum()
+        return float(total.item())
+
+    def _serve(self) -> None:
+        """Read commands until one that needs the script to run on (`step`, `probe`)."""
+        while True:
+            command = self.channel.recv()
+            op = command.get("op")
+            if op == "exit":
+                self.close(None)
+            elif op in ("step", "probe") and self.finished:
+                self.close(self._ended_early(f"the {op} command"))
+            elif op == "step":
+                self.pending = _Pending(index=int(command["index"]), started=time.perf_counter())
+                return
+            elif op == "probe":
+                self.probe = _Probe(seed=int(command["seed"]), batch_indices=[int(i) for i in command["batch_indices"]],
+                                    grads_path=Path(command["grads_path"]), params=tracked_params())
+                self.probe.before = {name: fingerprint(p) for name, p in self.probe.params}
+                return
+            elif op == "mark":
+                self.channel.send({"op": "mark", **self._mark()})
+            elif op == "final":
+                self.channel.send({"op": "final", **self._final(command)})
+            else:
+                self.close({"kind": "crashed", "message": f"unknown command {op!r} on the control channel"})
+
+    def _ended_early(self, what: str) -> dict[str, Any]:
+        return {"kind": "bad_workload", "step": self.steps_done,
+                "message": f"the script finished after {self.steps_done} optimizer step(s), before {what}: the plan needs more "
+                           "steps. Let it run longer, e.g. [overrides] \"--max_iters\" = 1000 (or the constant that bounds its loop)"}
+
+    def _mark(self) -> dict[str, Any]:
+        import torch
+
+        self.marked = {name: p.detach().to("cpu", dtype=torch.float32, copy=True) for name, p in tracked_params() if p.requires_grad}
+        return {"params": len(self.marked)}
+
+    def _final(self, command: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        if self.marked is None:
+            self.close({"kind": "crashed", "message": "final before mark on the control channel"})
+        deltas, unchanged = {}, []
+        for name, p in tracked_params():
+            before = self.marked.get(name)
+            now = p.detach().to("cpu", dtype=torch.float32)
+            if before is None or before.shape != now.shape:
+                continue
+            delta = now - before
+            if not bool(delta.any()):
+                unchanged.append(name)
+            deltas[name] = delta
+        path = Path(command["deltas_path"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(deltas, path)
+        return {"unchanged_params": unchanged, "deltas_path": str(path), "steps": self.steps_done}
+
+
+def install_step_hooks(controller: StepController) -> None:
+    """Wrap backward and register the global optimizer-step hook (before the script runs)."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    tensor_backward, autograd_backward = torch.Tensor.backward, torch.autograd.backward
+
+    def backward(self, *args, **kwargs):
+        if controller.in_backward:
+            return tensor_backward(self, *args, **kwargs)
+        controller.on_backward(self)
+        controller.in_backward = True
+        try:
+            return tensor_backward(self, *args, **kwargs)
+        finally:
+            controller.in_backward = False
+
+    def backward_function(tensors, *args, **kwargs):
+        if controller.in_backward:
+            return autograd_backward(tensors, *args, **kwargs)
+        controller.on_backward(tensors)
+        controller.in_backward = True
+        try:
+            return autograd_backward(tensors, *args, **kwargs)
+        finally:
+            controller.in_backward = False
+
+    backward.__doc__, backward_function.__doc__ = tensor_backward.__doc__, autograd_backward.__doc__
+    torch.Tensor.backward = backward
+    torch.autograd.backward = backward_function
+    register_optimizer_step_pre_hook(controller.on_optimizer_pre)

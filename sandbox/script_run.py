@@ -1,0 +1,87 @@
+"""Script mode, parent side: what a script-mode run is asked over the channel, and what its failures mean.
+
+sandbox/runner.py drives the child (sandbox/script_launcher.py) through sandbox/step_driver.py, as
+for entry mode; this module checks the launch line and the files before anything starts, builds
+the request and the run's working directory (sandbox/script_files.py), and turns the bare
+failures of a script (a timeout before any step, an early exit) into messages that say what to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainbridge.sandbox.results import Failure, FailureKind, RunResult
+from trainbridge.sandbox.script_files import DataPathError, RunDir, make_run_dir, snapshot
+from trainbridge.sandbox.script_launch import LaunchSpec, parse_launch
+from trainbridge.sandbox.workload import Workload
+
+LAUNCHER_MODULE = "trainbridge.sandbox.script_launcher"
+OUTPUT_TAIL_CHARS = 2000
+
+
+@dataclass
+class ScriptSetup:
+    request: dict[str, Any]
+    run_dir: RunDir
+    spec: LaunchSpec
+    data_before: dict[str, tuple[int, int]]
+
+
+def prepare(workload: Workload, *, backend: str, mode: str, tmp_dir: Path, extra_request: dict[str, Any] | None) -> ScriptSetup | Failure:
+    """The request and the working directory of one script-mode run, or the Failure that stops it before it starts."""
+    config = workload.config
+    spec = parse_launch(config.launch or "")
+    if spec.multi_process:
+        return Failure(kind=FailureKind.bad_workload, message=f"launch line {spec.line!r}: multi-process launches ({spec.launcher}) are "
+                       "not supported yet in script mode; run one process for now: launch = \"python "
+                       f"{spec.script or '-m ' + (spec.module or '')} ...\"")
+    if mode not in ("measure", "gate"):
+        return Failure(kind=FailureKind.bad_workload, message=f"harness mode {mode!r} (analysis) is not available in script mode yet; "
+                       "script mode measures and gates. For the per-line profile and the torch.compile reference, add an "
+                       "entry = \"module:function\" to trainbridge.toml (precise mode)")
+    if spec.script is not None:
+        script = workload.root / spec.script
+        if not script.is_file():
+            near = sorted(p.name for p in workload.root.glob("*.py"))[:8]
+            return Failure(kind=FailureKind.bad_workload, message=f"script {spec.script!r} of launch line {spec.line!r} not found in "
+                           f"{workload.root}" + (f" (Python files there: {', '.join(near)})" if near else ""))
+    try:
+        run_dir = make_run_dir(workload.root, config.data, tmp_dir / "cwd")
+    except DataPathError as exc:
+        return Failure(kind=FailureKind.bad_workload, message=str(exc))
+    request = {"mode": mode, "root": str(workload.root), "launch": spec.to_json(), "overrides": config.overrides,
+               "pythonpath": config.pythonpath, "backend": backend, "seed": config.seed, "threads": config.threads,
+               "protected": [str(p) for p in run_dir.protected], **(extra_request or {})}
+    return ScriptSetup(request=request, run_dir=run_dir, spec=spec, data_before=snapshot(list(run_dir.data_sources.values())))
+
+
+def finish(result: RunResult, setup: ScriptSetup, closing: dict[str, Any] | None, timeout_s: float) -> RunResult:
+    """Script-mode facts into the result (extra["script"]), and failures explained."""
+    from trainbridge.sandbox.script_files import changed
+
+    info: dict[str, Any] = dict((closing or {}).get("script") or {})
+    info.update(launch=setup.spec.line, cwd=str(setup.run_dir.cwd), data={k: str(v) for k, v in setup.run_dir.data_sources.items()},
+                overrides=setup.request["overrides"])
+    touched = changed(setup.data_before, snapshot(list(setup.run_dir.data_sources.values())))
+    info["data_changed"] = touched
+    result.extra["script"] = info
+    failure = result.failure
+    if failure is None and touched:
+        result.failure = Failure(kind=FailureKind.bad_workload, message=f"the run changed files of your checkout's data: "
+                                 f"{', '.join(touched[:5])}; the data must stay read-only")
+        return result
+    if failure is None:
+        return result
+    output = (result.stdout_tail + result.stderr_tail)[-OUTPUT_TAIL_CHARS:].strip()
+    steps = len(result.inner_step_times_s)
+    if failure.kind == FailureKind.timeout and steps == 0 and "numerics" not in result.extra:
+        failure.message = (f"no optimizer step within the {timeout_s:g} s limit: the script never reached its first backward() "
+                           "or optimizer.step() (it may wait for input, a download, a lock, or its set-up is too slow for the "
+                           "limit: raise timeout_s or shrink it with [overrides])")
+    if failure.kind in (FailureKind.bad_workload, FailureKind.timeout, FailureKind.crashed) and output and not failure.traceback_tail:
+        failure.traceback_tail = output
+    if "its output tail is below" in failure.message and output:
+        failure.message = failure.message.replace("its output tail is below", f"its output ends: {output[-600:]}")
+    return result
