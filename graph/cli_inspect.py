@@ -36,14 +36,16 @@ def measure(
     threads: Optional[int] = typer.Option(None, help="CPU threads for the child (default: trainbridge.toml, else 2)."),
     seed: Optional[int] = typer.Option(None, help="Seed for parameters and batches."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the full result as JSON to this file ('-' for stdout)."),
+    launch: Optional[list[str]] = typer.Argument(None, metavar="[-- LAUNCH...]", help="Script mode: the command the repository trains with, after `--` (e.g. `-- python train.py --batch_size=4`); replaces trainbridge.toml's launch/entry/command."),
 ) -> None:
     """Run a workload's training step in the sandbox and print step-time statistics and losses.
 
+    `trainbridge measure <repo> -- python train.py ...` runs the script unmodified (script mode); without a launch line, trainbridge.toml says how to run a step.
     The step runs in a child process (own process group, memory cap, scrubbed environment, no network where the host allows); times are device-synchronised. Exit code 1 if the run failed.
     """
     from trainbridge.sandbox.backends import availability as backend_availability
     from trainbridge.sandbox.runner import run_workload
-    from trainbridge.sandbox.workload import WorkloadConfigError, load_workload
+    from trainbridge.sandbox.workload import WorkloadConfigError, load_workload, workload_for_launch
 
     if backend not in BACKENDS:
         raise typer.BadParameter(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}", param_hint="--backend")
@@ -52,7 +54,9 @@ def measure(
         _error(f"backend {backend} is not available: {availability.reason}")
         raise typer.Exit(2)
     try:
-        workload = load_workload(resolve_repo(repo)).with_overrides(steps=steps, warmup_steps=warmup, timeout_s=timeout, threads=threads, seed=seed)
+        root = resolve_repo(repo)
+        loaded = workload_for_launch(root, launch_line(launch)) if launch else load_workload(root)
+        workload = loaded.with_overrides(steps=steps, warmup_steps=warmup, timeout_s=timeout, threads=threads, seed=seed)
     except WorkloadConfigError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
@@ -136,6 +140,13 @@ def collect_evidence(
         trace = evidence_dir / "trace.json"
         write_pack(evidence_dir, out, trace=trace if trace.is_file() else None, repo_root=workload.root, trim=True)
     console.print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
+
+
+def launch_line(argv: list[str]) -> str:
+    """The words after `--` as one launch line (quoted where needed, so the parser reads back the same argv)."""
+    import shlex
+
+    return shlex.join(argv)
 
 
 def _write_json(target: Path, payload: str) -> None:
