@@ -183,7 +183,7 @@ def execute(channel) -> None:
     finally:
         sys.modules["__main__"] = saved_main
     if not controller.started:
-        close(failure_record("bad_workload", "the script ended without an optimizer step (no backward() and no "
+        close(failure_record("bad_workload", "the script ended before its first optimizer step (no backward() and no "
                              "optimizer.step() ran); check the launch line's arguments (its output tail is below)", None, 0))
     controller.script_ended()
     close(None)
