@@ -1,0 +1,40 @@
+"""`trainbridge measure <repo> -- LAUNCH` and `trainbridge run <repo> -- LAUNCH`, as a user types them (real subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.script_mode_support import nanogpt_repo, script_repo
+
+
+def trainbridge(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainbridge", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_measure_runs_a_launch_line_given_after_two_dashes(tmp_path):
+    repo = nanogpt_repo(tmp_path / "repo", 'data = ["data/"]\ntimeout_s = 120\n')  # no launch in the toml: the command line gives it
+    out = tmp_path / "result.json"
+    done = trainbridge("measure", str(repo), "--steps", "2", "--warmup", "1", "--json", str(out), "--",
+                       "python", "train.py", "--batch_size=2", "--block_size=16", "--n_layer=1", "--n_embd=32", "--n_head=2")
+    assert done.returncode == 0, done.stderr
+    payload = json.loads(out.read_text())
+    assert payload["mode"] == "script" and len(payload["step_times_s"]) == 2
+    assert payload["extra"]["script"]["argv"][:2] == ["train.py", "--batch_size=2"]
+
+
+def test_measure_with_a_bad_launch_line_exits_2_with_the_reason(tmp_path):
+    repo = script_repo(tmp_path / "repo", "never_steps.py", "")
+    done = trainbridge("measure", str(repo), "--", "bash", "run.sh")
+    assert done.returncode == 2 and "not 'bash'" in done.stderr
+    # words after `--` are already the shell's argv: a literal '$' (quoted in the user's shell) is passed as is
+    literal = trainbridge("measure", str(repo), "--", "python", "train.py", "--out=$HOME")
+    assert literal.returncode == 1 and "before its first optimizer step" in literal.stderr
+
+
+def test_run_with_a_launch_line_not_in_the_committed_toml_says_what_to_write(tmp_path):
+    repo = script_repo(tmp_path / "repo", "never_steps.py", 'launch = "python train.py --a=1"\n')
+    done = trainbridge("run", str(repo), "--", "python", "train.py", "--a=2")
+    assert done.returncode == 2
+    assert "write launch = 'python train.py --a=2'" in " ".join(done.stderr.split())
