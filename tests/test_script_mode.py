@@ -159,3 +159,16 @@ def test_run_dir_mirrors_the_worktree_and_shows_the_checkouts_ignored_data(tmp_p
     assert not (worktree / "out").exists() and not (user / "out").exists()
     with pytest.raises(DataPathError, match="'tokenizer.json' is in neither"):
         make_run_dir(worktree, ["tokenizer.json"], tmp_path / "run2" / "cwd")
+
+
+def test_likely_causes_come_from_the_source_and_from_seeds_that_differ_between_runs():
+    from trainbridge.sandbox.results import RunResult
+    from trainbridge.sandbox.script_determinism import likely_causes
+
+    def run(seed_value: str) -> RunResult:
+        return RunResult(mode="script", backend="cpu", device="cpu", seed=0, threads=2, warmup_steps=0,
+                         extra={"script": {"seed_calls": [["torch.manual_seed", seed_value, 1]]}})
+
+    causes = likely_causes("loader = DataLoader(ds, num_workers=4)\n", run("1700000000"), run("1700000001"))
+    assert any("worker" in c for c in causes) and any("torch.manual_seed was called with 1700000000" in c for c in causes)
+    assert likely_causes("torch.manual_seed(0)\n", run("0"), run("0")) == []

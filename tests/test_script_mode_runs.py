@@ -136,3 +136,14 @@ def test_a_script_that_ends_before_the_plan_says_how_to_run_longer(tmp_path):
     result = run_workload(load_workload(repo), plan=StepPlan.sequential(1, 3))
     assert result.failure is not None and "finished after 2 optimizer step(s)" in result.failure.message
     assert "--max_iters" in result.failure.message
+
+
+def test_unseeded_data_order_is_reported_nondeterministic_naming_the_cause(tmp_path):
+    from trainbridge.sandbox.script_determinism import check_repeatable
+
+    unseeded = script_repo(tmp_path / "unseeded", "unseeded_order.py", 'launch = "python train.py"\nwarmup_steps = 1\nsteps = 2\n')
+    report = check_repeatable(load_workload(unseeded))
+    assert not report.repeatable and report.first_difference_step == 0
+    assert any("random.Random()" in cause for cause in report.likely_causes) and "random.Random()" in report.message
+    seeded = script_repo(tmp_path / "seeded", "accumulate.py", 'launch = "python train.py 500"\nwarmup_steps = 1\nsteps = 2\n')
+    assert check_repeatable(load_workload(seeded)).repeatable
