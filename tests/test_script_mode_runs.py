@@ -147,3 +147,12 @@ def test_unseeded_data_order_is_reported_nondeterministic_naming_the_cause(tmp_p
     assert any("random.Random()" in cause for cause in report.likely_causes) and "random.Random()" in report.message
     seeded = script_repo(tmp_path / "seeded", "accumulate.py", 'launch = "python train.py 500"\nwarmup_steps = 1\nsteps = 2\n')
     assert check_repeatable(load_workload(seeded)).repeatable
+
+
+def test_what_the_script_rebinds_is_reported_by_the_guard(tmp_path):
+    repo = script_repo(tmp_path / "repo", "rebinds_hooks.py", 'launch = "python train.py"\nwarmup_steps = 1\nsteps = 2\n')
+    result = run_workload(load_workload(repo))
+    assert result.ok, result.failure
+    assert "torch.Tensor.backward" in result.watch.replaced
+    assert "trainbridge.sandbox.script_hooks.StepController._boundary" in result.watch.replaced
+    assert "trainbridge.sandbox.script_hooks.StepController._serve" not in result.watch.replaced
