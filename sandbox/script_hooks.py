@@ -17,7 +17,8 @@ The user's script runs unmodified; these hooks find its training step:
 At each boundary the `StepController` answers the parent's pending command (sandbox/step_server.py's
 protocol: the `step` reply carries the loss and the child's own time) and blocks reading the next
 one, so the parent's clock times exactly one optimizer step per command. The first boundary is the
-first backward: the model is built by then, and the child says `ready`. `probe` runs as many
+first backward: the model is built by then, and the child says `ready` (asked for the torch.compile
+arm, it first compiles the modules whose parameters the optimizers hold: `compile_trained_modules`). `probe` runs as many
 untimed steps as it has batch indices, capturing the first step's gradients in the optimizer
 pre-hook (sandbox/numerics_probe.py's file and report format); `mark` / `final` cover every
 parameter of every optimizer. `exit` sends the closing result and ends the process at once
@@ -164,6 +165,24 @@ def tracked_params() -> list[tuple[str, Any]]:
     return out
 
 
+def compile_trained_modules() -> list[str]:
+    """`module.compile()` on every root module that holds an optimizer's parameters (a script that compiles its model
+    itself keeps its own torch.compile wrapper); the class names of what was compiled."""
+    import torch
+
+    objects = gc.get_objects()
+    held = {id(p) for o in objects if isinstance(o, torch.optim.Optimizer) for g in o.param_groups for p in g["params"]}
+    modules = [o for o in objects if isinstance(o, torch.nn.Module)]
+    children = {id(child) for module in modules for child in module.children()}
+    compiled = []
+    for root in (m for m in modules if id(m) not in children):
+        if hasattr(root, "_orig_mod") or not any(id(p) in held for p in root.parameters()):
+            continue
+        root.compile()
+        compiled.append(type(root).__name__)
+    return compiled
+
+
 @dataclass
 class _Probe:
     """The numerics probe over the script's next `len(batch_indices)` steps."""
@@ -225,8 +244,11 @@ class StepController:
     `check_ready()` returns problems that stop the run at the first boundary (unmatched overrides);
     `close(failure)` sends the closing result and ends the process (it never returns)."""
 
-    def __init__(self, channel, backend, *, check_ready: Callable[[], list[str]], close: Callable[[dict | None], None]):
+    def __init__(self, channel, backend, *, check_ready: Callable[[], list[str]], close: Callable[[dict | None], None],
+                 compile_modules: bool = False):
         self.channel, self.backend = channel, backend
+        self.compile_modules = compile_modules
+        self.compiled: list[str] = []
         self.check_ready, self.close = check_ready, close
         self.started = self.finished = False
         self.steps_done = 0  # completed optimizer steps (boundaries after the first)
@@ -275,6 +297,8 @@ class StepController:
         problems = self.check_ready()
         if problems:
             self.close({"kind": "bad_workload", "message": "; ".join(problems)})
+        if self.compile_modules:  # the torch.compile arm: the first forward ran eager, every step from here compiled
+            self.compiled = compile_trained_modules()
         self.channel.send({"op": "ready"})
         self._serve()
 

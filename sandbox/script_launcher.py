@@ -128,6 +128,7 @@ def execute(channel) -> None:
             controller, seeds = state["controller"], state["seeds"]
             result["script"] = {"steps_done": controller.steps_done if controller else 0,
                                 "optimizers_per_step": controller.optimizer_count if controller else 0,
+                                "compiled": controller.compiled if controller else [],
                                 "seed_calls": seeds.calls[:50] if seeds else [], "argv": list(sys.argv)}
         except Exception as exc:  # reporting must not hide the run's own outcome
             result.setdefault("notes", []).append(f"could not read versions or the guard: {exc}")
@@ -157,7 +158,8 @@ def execute(channel) -> None:
         sys.argv = [spec["script"] or spec["module"], *apply_argv(spec.get("args", []), request.get("overrides", {}))]
         seeds = state["seeds"] = SeedControl(int(request["seed"])).install()
         seeds.seed_everything()
-        controller = state["controller"] = StepController(channel, backend, check_ready=plan.unmatched, close=close)
+        controller = state["controller"] = StepController(channel, backend, check_ready=plan.unmatched, close=close,
+                                                     compile_modules=bool(request.get("compile")))
         install_step_hooks(controller)
         state["guard"] = Guard().capture()  # after our own wrappers: what the script replaces shows in the result
         code, main = script_code(spec, root, plan)

@@ -156,3 +156,13 @@ def test_what_the_script_rebinds_is_reported_by_the_guard(tmp_path):
     assert "torch.Tensor.backward" in result.watch.replaced
     assert "trainbridge.sandbox.script_hooks.StepController._boundary" in result.watch.replaced
     assert "trainbridge.sandbox.script_hooks.StepController._serve" not in result.watch.replaced
+
+
+def test_the_compile_arm_compiles_the_modules_the_optimizers_train(tmp_path):
+    repo = script_repo(tmp_path / "repo", "epoch_two_optimizers.py", 'launch = "python train.py"\nwarmup_steps = 2\nsteps = 2\n')
+    result = run_workload(load_workload(repo), extra_request={"compile": True})
+    assert result.ok, (result.failure, result.stderr_tail[-2000:])
+    assert sorted(result.extra["script"]["compiled"]) == ["Linear", "Sequential"]  # the body and the head
+    eager = run_workload(load_workload(repo))
+    assert eager.extra["script"]["compiled"] == []
+    assert result.losses == pytest.approx(eager.losses, rel=1e-4)  # same steps, compiled or not
