@@ -109,7 +109,8 @@ def execute(channel) -> None:
     from trainbridge.sandbox.backends import Backend
     from trainbridge.sandbox.guard import Guard
     from trainbridge.sandbox.harness import classify, versions
-    from trainbridge.sandbox.script_hooks import ScriptFailure, SeedControl, StepController, install_step_hooks
+    from trainbridge.sandbox.script_hooks import ScriptFailure, StepController, install_step_hooks
+    from trainbridge.sandbox.script_seeds import SeedControl
     from trainbridge.sandbox.script_overrides import OverridePlan, apply_argv, install
 
     request = channel.recv()

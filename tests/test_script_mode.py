@@ -9,7 +9,7 @@ import pytest
 
 from tests.script_mode_support import commit_all, git
 from trainbridge.sandbox.script_files import DataPathError, make_run_dir, user_checkout
-from trainbridge.sandbox.script_hooks import derive_seed
+from trainbridge.sandbox.script_seeds import derive_seed
 from trainbridge.sandbox.script_launch import LaunchError, parse_launch
 from trainbridge.sandbox.script_overrides import OverridePlan, apply_argv, compile_source, install
 from trainbridge.sandbox.workload import WorkloadConfig, WorkloadConfigError, load_workload, workload_for_launch

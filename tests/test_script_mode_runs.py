@@ -10,7 +10,7 @@ import pytest
 from tests.script_mode_support import git, nanogpt_repo, script_repo, stdout_lines
 from trainbridge.sandbox.results import FailureKind
 from trainbridge.sandbox.runner import run_workload
-from trainbridge.sandbox.script_hooks import derive_seed
+from trainbridge.sandbox.script_seeds import derive_seed
 from trainbridge.sandbox.step_driver import StepPlan
 from trainbridge.sandbox.workload import load_workload
 
