@@ -5,7 +5,8 @@ TrainBridge's worktrees hold what git tracks; the data a script reads (``data/*.
 gets a working directory of its own in its scratch folder, a mirror of the repository made of
 symlinks:
 
-- every top-level entry of the worktree, linked;
+- every file of the worktree, linked, in real folders (so a script can create files in any of its
+  folders; a very large tree is linked folder by folder past MIRROR_ENTRIES entries);
 - every ``data = [...]`` entry of trainbridge.toml, linked to the user's checkout's copy (a folder
   that also exists in the worktree is merged entry by entry, so tracked files come from the
   worktree and ignored ones from the checkout); nothing is copied, whatever its size;
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SNAPSHOT_LIMIT = 20_000  # files per data entry compared before/after a run
+MIRROR_ENTRIES = 5_000  # folders of the worktree are mirrored as real folders up to this many entries, then linked whole
 
 
 class DataPathError(ValueError):
@@ -60,9 +62,7 @@ def make_run_dir(root: Path, data: list[str], dest: Path) -> RunDir:
     root = Path(root).resolve()
     checkout = user_checkout(root)
     dest.mkdir(parents=True, exist_ok=True)
-    for entry in sorted(os.listdir(root)):
-        if entry != ".git":
-            os.symlink(root / entry, dest / entry)
+    _mirror(root, dest, [MIRROR_ENTRIES], top=True)
     run_dir = RunDir(cwd=dest, protected=sorted({root, checkout}))
     for raw in data:
         rel = Path(raw.rstrip("/"))
@@ -74,6 +74,21 @@ def make_run_dir(root: Path, data: list[str], dest: Path) -> RunDir:
         _merge(dest, rel, sources)
         run_dir.data_sources[raw] = sources[-1]
     return run_dir
+
+
+def _mirror(source: Path, dest: Path, budget: list[int], *, top: bool = False) -> None:
+    """Real folders with symlinked files, so a script can create files in any folder of the repository (they land
+    in the scratch mirror); past the budget a folder is linked whole (a write into it then meets the write guard)."""
+    for name in sorted(os.listdir(source)):
+        if top and name == ".git":
+            continue
+        budget[0] -= 1
+        entry = source / name
+        if entry.is_dir() and not entry.is_symlink() and budget[0] > 0:
+            (dest / name).mkdir()
+            _mirror(entry, dest / name, budget)
+        else:
+            os.symlink(entry, dest / name)
 
 
 def _merge(dest: Path, rel: Path, sources: list[Path]) -> None:

@@ -156,7 +156,9 @@ def test_run_dir_mirrors_the_worktree_and_shows_the_checkouts_ignored_data(tmp_p
     assert not (cwd / ".git").exists()
     assert set(run_dir.protected) == {worktree.resolve(), user.resolve()}
     (cwd / "out").mkdir()  # what the script creates lands in the scratch folder
+    (cwd / "data" / "log.txt").write_text("x", encoding="utf-8")  # in a tracked folder too
     assert not (worktree / "out").exists() and not (user / "out").exists()
+    assert not (worktree / "data" / "log.txt").exists() and not (user / "data" / "log.txt").exists()
     with pytest.raises(DataPathError, match="'tokenizer.json' is in neither"):
         make_run_dir(worktree, ["tokenizer.json"], tmp_path / "run2" / "cwd")
 
