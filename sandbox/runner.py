@@ -138,6 +138,8 @@ def _run_script(workload: Workload, target: Backend, mode: str, plan: StepPlan |
         return base
     if plan is None and mode == "gate":
         raise ValueError("mode 'gate' needs a StepPlan (its batch indices, probe and parameter deltas)")
+    if mode == "profile":
+        plan, setup.request["profile"] = script_run.profile_plan(config.warmup_steps, config.steps)
     plan = plan or StepPlan.sequential(config.warmup_steps, config.steps)
     base.warmup_steps = len(plan.warmup)
     steps_total = len(plan.warmup) + len(plan.measured) + len(plan.cooldown)

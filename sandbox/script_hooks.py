@@ -26,6 +26,7 @@ The batch index of a `step` command cannot choose a script's data: the seed does
 from __future__ import annotations
 
 import gc
+import warnings
 import math
 import time
 from collections.abc import Callable
@@ -58,15 +59,25 @@ def fingerprint(tensor) -> tuple[int, int]:
     return int(bits.sum().item()), int((bits * weights).sum().item())
 
 
+def live_objects() -> list[Any]:
+    """Every object the garbage collector tracks (isinstance checks on some raise deprecation warnings: silenced)."""
+    return gc.get_objects()
+
+
+def _instances(objects: list[Any], cls: type) -> list[Any]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [o for o in objects if isinstance(o, cls)]
+
+
 def tracked_params() -> list[tuple[str, Any]]:
     """Every parameter of every live optimizer's param_groups, named after the module that holds it
     (`<RootModuleClass>.<name>`; a torch.compile wrapper is named after the module it wraps), else
     `optimizer<i>.group<g>.<j>`. Optimizers and parameters in their order of creation / appearance."""
     import torch
 
-    objects = gc.get_objects()
-    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
-    modules = [o for o in objects if isinstance(o, torch.nn.Module)]
+    objects = live_objects()
+    optimizers, modules = _instances(objects, torch.optim.Optimizer), _instances(objects, torch.nn.Module)
     children = {id(child) for module in modules for child in module.children()}
     names: dict[int, str] = {}
     used: set[str] = set()
@@ -95,9 +106,9 @@ def compile_trained_modules() -> list[str]:
     itself keeps its own torch.compile wrapper); the class names of what was compiled."""
     import torch
 
-    objects = gc.get_objects()
-    held = {id(p) for o in objects if isinstance(o, torch.optim.Optimizer) for g in o.param_groups for p in g["params"]}
-    modules = [o for o in objects if isinstance(o, torch.nn.Module)]
+    objects = live_objects()
+    held = {id(p) for o in _instances(objects, torch.optim.Optimizer) for g in o.param_groups for p in g["params"]}
+    modules = _instances(objects, torch.nn.Module)
     children = {id(child) for module in modules for child in module.children()}
     compiled = []
     for root in (m for m in modules if id(m) not in children):
@@ -170,8 +181,12 @@ class StepController:
     `close(failure)` sends the closing result and ends the process (it never returns)."""
 
     def __init__(self, channel, backend, *, check_ready: Callable[[], list[str]], close: Callable[[dict | None], None],
-                 compile_modules: bool = False):
+                 compile_modules: bool = False, profile: dict[str, Any] | None = None, repo_root: Path | None = None):
         self.channel, self.backend = channel, backend
+        self.profile, self.repo_root = profile, repo_root  # profile: {"start": step command number, "steps": how many}
+        self.recorder: Any = None
+        self.step_commands = 0
+        self.inner_times_s: list[float] = []
         self.compile_modules = compile_modules
         self.compiled: list[str] = []
         self.check_ready, self.close = check_ready, close
@@ -229,6 +244,8 @@ class StepController:
 
     def _boundary(self) -> None:
         self.backend.sync()
+        if self.recorder is not None:
+            self.recorder.stop()  # a recorded step ends at its boundary
         loss = self._take_loss()
         now = time.perf_counter()
         self.steps_done += 1
@@ -243,6 +260,7 @@ class StepController:
             self.channel.send({"op": "probe", "report": report})
         elif self.pending is not None:
             pending, self.pending = self.pending, None
+            self.inner_times_s.append(now - pending.started)
             # NaN/inf travel as JSON's NaN/Infinity, as in step_server
             self.channel.send({"op": "step", "index": pending.index, "loss": loss, "inner_s": now - pending.started, "clock": now})
         self._serve()
@@ -267,6 +285,8 @@ class StepController:
             elif op in ("step", "probe") and self.finished:
                 self.close(self._ended_early(f"the {op} command"))
             elif op == "step":
+                self._maybe_record()
+                self.step_commands += 1
                 self.pending = _Pending(index=int(command["index"]), started=time.perf_counter())
                 return
             elif op == "probe":
@@ -280,6 +300,32 @@ class StepController:
                 self.channel.send({"op": "final", **self._final(command)})
             else:
                 self.close({"kind": "crashed", "message": f"unknown command {op!r} on the control channel"})
+
+    def _maybe_record(self) -> None:
+        """Harness mode "profile": record the eager ops of the step commands in the profile window."""
+        if self.profile is None:
+            return
+        start, steps = int(self.profile["start"]), int(self.profile["steps"])
+        if start <= self.step_commands < start + steps:
+            if self.recorder is None:
+                from trainbridge.tools.eager_profile import BoundaryRecorder
+
+                self.recorder = BoundaryRecorder(self.repo_root)
+            self.recorder.start()
+
+    def eager_ops(self) -> dict[str, Any] | None:
+        """The recorded table (JSON) and the optimizer class, for the closing result; None when nothing was recorded."""
+        if self.recorder is None:
+            return None
+        params = tracked_params()
+        device = str(params[0][1].device) if params else self.backend.device
+        start = int(self.profile["start"])
+        timed = [t * 1e6 for t in self.inner_times_s[int(self.profile.get("timed_from", 0)):start]]
+        table = self.recorder.table(backend=self.backend.name, device=device, step_times_us=timed)
+        import torch
+
+        optimizers = _instances(live_objects(), torch.optim.Optimizer)
+        return {"eager_ops": table.model_dump(mode="json"), "optimizer_class": type(optimizers[0]).__name__ if optimizers else None}
 
     def _ended_early(self, what: str) -> dict[str, Any]:
         return {"kind": "bad_workload", "step": self.steps_done,

@@ -127,12 +127,14 @@ def execute(channel) -> None:
             if state["backend"] is not None:
                 result["peak_memory_bytes"] = state["backend"].peak_memory_bytes()
             controller, seeds = state["controller"], state["seeds"]
+            if controller is not None and failure is None and controller.recorder is not None:
+                result["extra"] = controller.eager_ops()
             result["script"] = {"steps_done": controller.steps_done if controller else 0,
                                 "optimizers_per_step": controller.optimizer_count if controller else 0,
                                 "compiled": controller.compiled if controller else [],
                                 "seed_calls": seeds.calls[:50] if seeds else [], "argv": list(sys.argv)}
         except Exception as exc:  # reporting must not hide the run's own outcome
-            result.setdefault("notes", []).append(f"could not read versions or the guard: {exc}")
+            result.setdefault("notes", []).append(f"could not read versions, the guard or the profile: {type(exc).__name__}: {exc}")
         channel.send(result)
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -160,7 +162,8 @@ def execute(channel) -> None:
         seeds = state["seeds"] = SeedControl(int(request["seed"])).install()
         seeds.seed_everything()
         controller = state["controller"] = StepController(channel, backend, check_ready=plan.unmatched, close=close,
-                                                     compile_modules=bool(request.get("compile")))
+                                                     compile_modules=bool(request.get("compile")), profile=request.get("profile"),
+                                                     repo_root=Path(request["root"]))
         install_step_hooks(controller)
         state["guard"] = Guard().capture()  # after our own wrappers: what the script replaces shows in the result
         code, main = script_code(spec, root, plan)

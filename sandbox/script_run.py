@@ -19,6 +19,19 @@ from trainbridge.sandbox.workload import Workload
 
 LAUNCHER_MODULE = "trainbridge.sandbox.script_launcher"
 OUTPUT_TAIL_CHARS = 2000
+SCRIPT_MODES = ("measure", "gate", "profile")
+PROFILE_TIMED_STEPS = 3  # unprofiled steps timed before the recorded ones, as tools/eager_profile.record_eager_ops does
+
+
+def profile_plan(warmup: int, steps: int):
+    """Harness mode "profile" as steps: warm-up, PROFILE_TIMED_STEPS timed ones, then `steps` recorded ones;
+    and what the launcher is told about them."""
+    from trainbridge.sandbox.step_driver import StepPlan
+
+    timed = max(steps, PROFILE_TIMED_STEPS)
+    plan = StepPlan(warmup=list(range(warmup)), measured=list(range(warmup, warmup + timed)),
+                    cooldown=list(range(warmup + timed, warmup + timed + steps)))
+    return plan, {"timed_from": warmup, "start": warmup + timed, "steps": steps}
 
 
 @dataclass
@@ -37,10 +50,10 @@ def prepare(workload: Workload, *, backend: str, mode: str, tmp_dir: Path, extra
         return Failure(kind=FailureKind.bad_workload, message=f"launch line {spec.line!r}: multi-process launches ({spec.launcher}) are "
                        "not supported yet in script mode; run one process for now: launch = \"python "
                        f"{spec.script or '-m ' + (spec.module or '')} ...\"")
-    if mode not in ("measure", "gate"):
-        return Failure(kind=FailureKind.bad_workload, message=f"harness mode {mode!r} (analysis) is not available in script mode yet; "
-                       "script mode measures and gates. For the per-line profile and the torch.compile reference, add an "
-                       "entry = \"module:function\" to trainbridge.toml (precise mode)")
+    if mode not in SCRIPT_MODES:
+        return Failure(kind=FailureKind.bad_workload, message=f"harness mode {mode!r} is not available in script mode yet; script "
+                       "mode measures, gates and profiles the eager step. For the torch.compile reference, run the analysis "
+                       "with --no-reference, or add an entry = \"module:function\" to trainbridge.toml (precise mode)")
     if spec.script is not None:
         script = workload.root / spec.script
         if not script.is_file():
@@ -62,6 +75,9 @@ def finish(result: RunResult, setup: ScriptSetup, closing: dict[str, Any] | None
     from trainbridge.sandbox.script_files import changed
 
     info: dict[str, Any] = dict((closing or {}).get("script") or {})
+    result.extra.update((closing or {}).get("extra") or {})  # harness mode "profile": eager_ops, optimizer_class
+    if (closing or {}).get("notes"):
+        info["notes"] = list(closing["notes"])
     info.update(launch=setup.spec.line, cwd=str(setup.run_dir.cwd), data={k: str(v) for k, v in setup.run_dir.data_sources.items()},
                 overrides=setup.request["overrides"])
     touched = changed(setup.data_before, snapshot(list(setup.run_dir.data_sources.values())))

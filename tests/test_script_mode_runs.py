@@ -166,3 +166,18 @@ def test_the_compile_arm_compiles_the_modules_the_optimizers_train(tmp_path):
     eager = run_workload(load_workload(repo))
     assert eager.extra["script"]["compiled"] == []
     assert result.losses == pytest.approx(eager.losses, rel=1e-4)  # same steps, compiled or not
+
+
+def test_profile_mode_records_the_eager_ops_of_a_script_step_by_source_line(tmp_path):
+    from trainbridge.tools.eager_profile import EagerOpTable
+
+    repo = nanogpt_repo(tmp_path / "repo", NANO)
+    result = run_workload(load_workload(repo).with_overrides(steps=1, warmup_steps=1), mode="profile")
+    assert result.ok, result.failure
+    table = EagerOpTable.model_validate(result.extra["eager_ops"])
+    assert result.extra["optimizer_class"] == "AdamW" and table.steps == 1 and len(table.step_times_us) == 3
+    lines = {(op.span.file, op.phase.value) for op in table.ops}
+    assert {("model.py", "forward"), ("model.py", "backward"), ("train.py", "optimizer")} <= lines
+    source = (repo / "train.py").read_text(encoding="utf-8").splitlines()
+    step_line = next(n for n, text in enumerate(source, start=1) if text.strip() == "optimizer.step()")
+    assert any(op.span.file == "train.py" and op.span.line_start == step_line and op.phase.value == "optimizer" for op in table.ops)

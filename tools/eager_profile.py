@@ -179,6 +179,57 @@ def record_eager_ops(
     )
 
 
+class BoundaryRecorder:
+    """Records the eager ops of steps whose boundaries the caller decides, for programs that run their own
+    loop (script mode: sandbox/script_hooks.py starts and stops it at optimizer-step boundaries). Every
+    optimizer's step counts as the optimizer phase (PyTorch's global optimizer-step hooks)."""
+
+    def __init__(self, repo_root: Path):
+        root = Path(repo_root).resolve()
+        if not root.is_dir():
+            raise ValueError(f"repo_root {root} is not a directory: pass the root of the repository under test")
+        self._recorder = _OpRecorder(_Locator(root), None, markers=False)
+        self._handles: list[Any] = []
+        self._started_at: float | None = None
+        self._wall_started: float | None = None
+        self.profiled_step_times_us: list[float] = []
+        self.steps = 0
+
+    def start(self) -> None:
+        """At a step boundary: record from here (a step already being recorded ends first)."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        if self._started_at is not None:
+            self.stop()
+        if not self._handles:
+            self._handles = [register_optimizer_step_pre_hook(self._recorder._enter_step),
+                             register_optimizer_step_post_hook(self._recorder._leave_step)]
+            self._wall_started = time.perf_counter()
+        self._recorder.begin_step(self.steps)
+        self._recorder.__enter__()
+        self._started_at = time.perf_counter()
+
+    def stop(self) -> None:
+        """At the next step boundary: the step recorded since `start` ends here."""
+        if self._started_at is None:
+            return
+        self._recorder.__exit__(None, None, None)
+        self.profiled_step_times_us.append((time.perf_counter() - self._started_at) * 1e6)
+        self._started_at = None
+        self.steps += 1
+
+    def table(self, *, backend: str, device: str, step_times_us: list[float]) -> EagerOpTable:
+        """The recorded steps as an EagerOpTable (`step_times_us`: unprofiled steps the caller timed)."""
+        self.stop()
+        for handle in self._handles:
+            handle.remove()
+        wall = time.perf_counter() - self._wall_started if self._wall_started is not None else 0.0
+        ops = self._recorder.finish(None)
+        return EagerOpTable(backend=backend, device=device, steps=max(self.steps, 1), ops=ops, step_times_us=step_times_us,
+                            profiled_step_times_us=self.profiled_step_times_us, profile_wall_s=wall,
+                            unlinked_backward_ops=self._recorder.unlinked_backward)
+
+
 def to_target_profile(table: EagerOpTable) -> TargetProfile:
     """Aggregate the op table per (span, phase), in order of first launch."""
     groups: dict[tuple[tuple, Phase], list[EagerOp]] = {}
