@@ -189,8 +189,9 @@ def execute(channel) -> None:
     finally:
         sys.modules["__main__"] = saved_main
     if not controller.started:
+        unmatched = "".join(f"; {problem}" for problem in plan.unmatched())
         close(failure_record("bad_workload", "the script ended before its first optimizer step (no backward() and no "
-                             "optimizer.step() ran); check the launch line's arguments (its output tail is below)", None, 0))
+                             f"optimizer.step() ran); check the launch line's arguments{unmatched} (its output tail is below)", None, 0))
     controller.script_ended()
     close(None)
 

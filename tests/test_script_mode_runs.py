@@ -181,3 +181,13 @@ def test_profile_mode_records_the_eager_ops_of_a_script_step_by_source_line(tmp_
     source = (repo / "train.py").read_text(encoding="utf-8").splitlines()
     step_line = next(n for n, text in enumerate(source, start=1) if text.strip() == "optimizer.step()")
     assert any(op.span.file == "train.py" and op.span.line_start == step_line and op.phase.value == "optimizer" for op in table.ops)
+
+
+def test_a_helper_process_that_would_outlive_the_script_is_named_and_killed(tmp_path):
+    import os
+
+    repo = script_repo(tmp_path / "repo", "spawns_helper.py", 'launch = "python train.py"\nwarmup_steps = 1\nsteps = 2\n')
+    result = run_workload(load_workload(repo))
+    pid = int(stdout_lines(result, "HELPER ")[0].split()[1])
+    assert any(f"pid {pid}" in survivor for survivor in result.watch.survivors), result.watch
+    assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
