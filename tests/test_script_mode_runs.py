@@ -191,3 +191,12 @@ def test_a_helper_process_that_would_outlive_the_script_is_named_and_killed(tmp_
     pid = int(stdout_lines(result, "HELPER ")[0].split()[1])
     assert any(f"pid {pid}" in survivor for survivor in result.watch.survivors), result.watch
     assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+
+
+def test_a_config_file_on_the_launch_line_is_read_from_the_worktree(tmp_path):
+    repo = nanogpt_repo(tmp_path / "repo", 'launch = "python train.py config/small.py --n_layer=2"\ndata = ["data/"]\n'
+                        'warmup_steps = 0\nsteps = 1\n')
+    result = run_workload(load_workload(repo))
+    assert result.ok, result.failure
+    line = stdout_lines(result, "model: ")[0]
+    assert "n_layer=2" in line and "n_embd=32" in line and "batch_size=2" in line
