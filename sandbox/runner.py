@@ -28,7 +28,7 @@ from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory,
 from trainbridge.sandbox.npu_emulation import selection_env
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
 from trainbridge.sandbox.scratch import scratch_dir
-from trainbridge.sandbox.step_driver import DriveOutcome, StepPlan, drive
+from trainbridge.sandbox.step_driver import ChildSpec, DriveOutcome, StepPlan, drive, drive_pair
 from trainbridge.sandbox.workload import Workload
 
 ProgressCallback = Callable[[int, int], None]  # (steps done, steps total)
@@ -54,30 +54,16 @@ def run_workload(
     target = Backend(backend)
     memory_limit_mb = config.memory_limit_mb or default_memory_limit_mb()
     isolation = network_isolation()
-    env = scrubbed_env({**target.child_env(), **(extra_env or {})}, threads=config.threads, seed=config.seed)
-    if target.name == "npu":  # the real torch_npu when usable, else the CPU stand-in first on the child's path
-        env = selection_env(npu_selection(), env)
+    env = _child_env(config, target, extra_env)
     total = config.warmup_steps + config.steps
     with scratch_dir("trainbridge-run-", work_dir) as tmp_dir:
         if config.mode == "entry" and mode in CHANNEL_MODES:
-            if plan is None and mode == "gate":
-                raise ValueError("mode 'gate' needs a StepPlan (its batch indices, probe and parameter deltas)")
-            plan = plan or StepPlan.sequential(config.warmup_steps, config.steps)
-            request = {"mode": mode, "root": str(workload.root), "entry": config.entry, "pythonpath": config.pythonpath,
-                       "backend": target.name, "seed": config.seed, "threads": config.threads, **(extra_request or {})}
-            base = _base_result(config, target, isolation, memory_limit_mb)
-            base.warmup_steps = len(plan.warmup)
-            steps_total = len(plan.warmup) + len(plan.measured) + len(plan.cooldown)
+            spec, base = _channel_child(workload, target, mode, plan, extra_request, env, isolation, memory_limit_mb, tmp_dir)
             started = time.monotonic()
-            # argv is the same for every timed child: what it is asked comes over the channel only
-            outcome = drive([*isolation.prefix, sys.executable, "-m", "trainbridge.sandbox.harness"], request=request, plan=plan,
-                            cwd=workload.root, env=env, preexec_fn=limit_memory(memory_limit_mb), timeout_s=config.timeout_s,
-                            stdout_path=tmp_dir / "stdout.txt", stderr_path=tmp_dir / "stderr.txt",
-                            on_progress=(lambda done: on_progress(min(done, total), total)) if on_progress else None)
+            steps_total = len(spec.plan.timed())
+            outcome = drive(spec, on_progress=(lambda done: on_progress(min(done, total), total)) if on_progress else None)
             base.wall_s = time.monotonic() - started
-            base.stdout_tail = (tmp_dir / "stdout.txt").read_text(encoding="utf-8", errors="replace")[-TAIL_CHARS:]
-            base.stderr_tail = (tmp_dir / "stderr.txt").read_text(encoding="utf-8", errors="replace")[-TAIL_CHARS:]
-            return _driven_result(base, outcome, config.timeout_s, steps_total)
+            return _driven_result(_with_tails(base, tmp_dir), outcome, config.timeout_s, steps_total)
         if config.mode == "entry":
             request = {
                 "mode": mode,
@@ -122,6 +108,71 @@ def run_workload(
 CHANNEL_MODES = ("measure", "gate")
 
 
+def run_workload_pair(
+    workloads: tuple[Workload, Workload],
+    plans: tuple[StepPlan, StepPlan],
+    *,
+    backend: str = "cpu",
+    extra_env: dict[str, str] | None = None,
+    orphans_to: int = 1,
+    work_dir: Path | None = None,
+) -> tuple[RunResult, RunResult]:
+    """Two gate children alive at once, their timed steps alternated (sandbox/step_driver.py,
+    `drive_pair`); `workloads[0]` leads. Never raises for the workloads' faults: when one child's
+    fault ends the pair, the other's result is a failure marked `interrupted`."""
+    target = Backend(backend)
+    isolation = network_isolation()
+    for workload in workloads:
+        if workload.config.mode != "entry":
+            raise ValueError(f"{workload.root}: paired gate runs need entry = \"module:function\" workloads")
+    with scratch_dir("trainbridge-run-a-", work_dir) as dir_a, scratch_dir("trainbridge-run-b-", work_dir) as dir_b:
+        built = []
+        for workload, plan, tmp_dir in zip(workloads, plans, (dir_a, dir_b)):
+            config = workload.config
+            memory_limit_mb = config.memory_limit_mb or default_memory_limit_mb()
+            env = _child_env(config, target, extra_env)
+            built.append(_channel_child(workload, target, "gate", plan, None, env, isolation, memory_limit_mb, tmp_dir))
+        started = time.monotonic()
+        outcomes = drive_pair(built[0][0], built[1][0], orphans_to=orphans_to)
+        wall = time.monotonic() - started
+        results = []
+        for (spec, base), outcome, tmp_dir, workload in zip(built, outcomes, (dir_a, dir_b), workloads):
+            base.wall_s = wall
+            results.append(_driven_result(_with_tails(base, tmp_dir), outcome, workload.config.timeout_s, len(spec.plan.timed())))
+        return results[0], results[1]
+
+
+def _child_env(config, target: Backend, extra_env: dict[str, str] | None) -> dict[str, str]:
+    env = scrubbed_env({**target.child_env(), **(extra_env or {})}, threads=config.threads, seed=config.seed)
+    if target.name == "npu":  # the real torch_npu when usable, else the CPU stand-in first on the child's path
+        env = selection_env(npu_selection(), env)
+    return env
+
+
+def _channel_child(workload: Workload, target: Backend, mode: str, plan: StepPlan | None, extra_request: dict[str, Any] | None,
+                   env: dict[str, str], isolation, memory_limit_mb: int, tmp_dir: Path) -> tuple[ChildSpec, RunResult]:
+    """How to start one parent-timed child, and the result record its outcome will fill."""
+    config = workload.config
+    if plan is None and mode == "gate":
+        raise ValueError("mode 'gate' needs a StepPlan (its batch indices, probe and parameter deltas)")
+    plan = plan or StepPlan.sequential(config.warmup_steps, config.steps)
+    request = {"mode": mode, "root": str(workload.root), "entry": config.entry, "pythonpath": config.pythonpath,
+               "backend": target.name, "seed": config.seed, "threads": config.threads, **(extra_request or {})}
+    base = _base_result(config, target, isolation, memory_limit_mb)
+    base.warmup_steps = len(plan.warmup)
+    # argv is the same for every timed child: what it is asked comes over the channel only
+    spec = ChildSpec(argv=[*isolation.prefix, sys.executable, "-m", "trainbridge.sandbox.harness"], request=request, plan=plan,
+                     cwd=workload.root, env=env, preexec_fn=limit_memory(memory_limit_mb), timeout_s=config.timeout_s,
+                     stdout_path=tmp_dir / "stdout.txt", stderr_path=tmp_dir / "stderr.txt")
+    return spec, base
+
+
+def _with_tails(base: RunResult, tmp_dir: Path) -> RunResult:
+    base.stdout_tail = (tmp_dir / "stdout.txt").read_text(encoding="utf-8", errors="replace")[-TAIL_CHARS:]
+    base.stderr_tail = (tmp_dir / "stderr.txt").read_text(encoding="utf-8", errors="replace")[-TAIL_CHARS:]
+    return base
+
+
 def _base_result(config, target: Backend, isolation, memory_limit_mb: int) -> RunResult:
     return RunResult(mode=config.mode, backend=target.name, device=target.device, seed=config.seed, threads=config.threads,
                      warmup_steps=config.warmup_steps, network_isolated=isolation.isolated, isolation_notes=list(isolation.notes),
@@ -145,6 +196,7 @@ def _driven_result(base: RunResult, outcome: DriveOutcome, timeout_s: float, ste
     if outcome.final is not None:
         base.extra["final"] = outcome.final
     done = len(outcome.inner_times_s)
+    base.interrupted = outcome.interrupted
     if outcome.failure is not None:
         base.failure = outcome.failure
     elif outcome.timed_out:
@@ -153,6 +205,9 @@ def _driven_result(base: RunResult, outcome: DriveOutcome, timeout_s: float, ste
     elif outcome.watch.protocol_violations:
         base.failure = Failure(kind=FailureKind.crashed, message="the run broke the harness's protocol: "
                                + "; ".join(outcome.watch.protocol_violations)[:1500], step=done)
+    elif outcome.interrupted:
+        base.failure = Failure(kind=FailureKind.crashed, message=f"interrupted after {done} of {steps_total} step(s): {outcome.interrupted}",
+                               step=done)
     elif outcome.result is None:
         base.failure = _classify_death(_ChildOutcome(outcome.returncode, False, base.stdout_tail, base.stderr_tail), done)
     return base
