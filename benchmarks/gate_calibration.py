@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from trainbridge.agents.profiler.gate import PAIRINGS, RoundInputs, default_pairing, run_pair, run_side
+from trainbridge.agents.profiler.quiet import busy_rounds
 from trainbridge.agents.profiler.stats import SpeedOutcome, decide_speed, gate_decision
 from trainbridge.sandbox.workload import Workload, load_workload
 
@@ -117,13 +118,21 @@ def _times(side, name: str) -> list[float]:
     return side.run.step_times_s
 
 
-def run_round(programs: dict[str, Workload], order: list[str], seed: int, steps: int, backend: str) -> dict[str, list[float]]:
+def _cores(side) -> float | None:
+    return side.run.watch.cores_used if side.run.watch is not None else None
+
+
+def run_round(programs: dict[str, Workload], order: list[str], seed: int, steps: int,
+              backend: str) -> tuple[dict[str, list[float]], dict[str, float | None]]:
     """One sequential round: every program once, in a gate child exactly as `run_gate` runs each side
     under sequential pairing (the probe, then warm-up, measured and cool-down steps on the round's
-    batch indices, timed by this process)."""
+    batch indices, timed by this process). Returns the step times and the cores of each program."""
     inputs = _inputs(programs, seed, steps)
-    return {name: _times(run_side(programs[name], inputs, backend=backend, extra_env=None, work_dir=None, label="baseline"), name)
-            for name in order}
+    samples, cores = {}, {}
+    for name in order:
+        side = run_side(programs[name], inputs, backend=backend, extra_env=None, work_dir=None, label="baseline")
+        samples[name], cores[name] = _times(side, name), _cores(side)
+    return samples, cores
 
 
 def run_paired_round(programs: dict[str, Workload], index: int, seed: int, steps: int, backend: str) -> dict[str, dict[str, list[float]]]:
@@ -137,16 +146,17 @@ def run_paired_round(programs: dict[str, Workload], index: int, seed: int, steps
         first, second = ("base", name) if lead_base else (name, "base")
         a, b = run_pair((programs[first], programs[second]), inputs, backend=backend, extra_env=None, work_dir=None,
                         orphans_to=1 if lead_base else 0)
-        pairs[name] = {first: _times(a, first), second: _times(b, second)}
+        pairs[name] = {first: _times(a, first), second: _times(b, second), "cores": {first: _cores(a), second: _cores(b)}}
     return pairs
 
 
-def round_sides(round_record: dict, base: str, cand: str) -> tuple[list[float], list[float]]:
-    """The two sides of a condition in one round: from the same pair when the round was paired."""
+def round_sides(round_record: dict, base: str, cand: str) -> tuple[list[float], list[float], float | None]:
+    """The two sides of a condition in one round (from the same pair when the round was paired),
+    and the cores the condition's baseline got over its timed steps (None: not recorded)."""
     if "pairs" in round_record:
         pair = round_record["pairs"][cand if base == "base" else base]
-        return pair[base], pair[cand]
-    return round_record["samples"][base], round_record["samples"][cand]
+        return pair[base], pair[cand], (pair.get("cores") or {}).get(base)
+    return round_record["samples"][base], round_record["samples"][cand], (round_record.get("cores") or {}).get(base)
 
 
 def conditions(slowdowns: list[float]) -> list[tuple[str, str, str, float]]:
@@ -167,14 +177,17 @@ def decide_blocks(rounds: list[dict], block: int, args, slowdowns: list[float], 
     for label, base, cand, truth in conditions(slowdowns):
         for start in starts:
             window = [round_sides(r, base, cand) for r in rounds[start:start + block]]
-            base_rounds, cand_rounds = [b for b, _ in window], [c for _, c in window]
+            # busy rounds left out as the gate leaves them out (it measures replacements; here the window is shorter)
+            busy = set(busy_rounds([cores for _, _, cores in window], block))
+            base_rounds = [b for i, (b, _, _) in enumerate(window) if i not in busy]
+            cand_rounds = [c for i, (_, c, _) in enumerate(window) if i not in busy]
             if first is None:
                 d = decide_speed(base_rounds, cand_rounds, args.min_gain, args.confidence, seed=start)
             else:
                 d = gate_decision(base_rounds, cand_rounds, first=first, min_gain=args.min_gain, confidence=args.confidence)
             decisions.setdefault(label, []).append({
                 "start": start, "outcome": d.outcome.value, "ratio": d.ratio, "ci": [d.ci_low, d.ci_high], "truth": truth,
-                "rounds_used": d.n, "second_look": first is not None and d.n > first,
+                "rounds_used": d.n, "second_look": first is not None and d.n > first, "busy_rounds": sorted(busy),
             })
     return decisions
 
@@ -273,8 +286,8 @@ def measure(args) -> dict:
             else:
                 shift = index % len(names)
                 order = names[shift:] + names[:shift]
-                samples = run_round(programs, order, seed, args.steps_per_round, args.backend)
-                entry = {"order": order, "samples": samples, "loadavg": os.getloadavg()}
+                samples, cores = run_round(programs, order, seed, args.steps_per_round, args.backend)
+                entry = {"order": order, "samples": samples, "cores": cores, "loadavg": os.getloadavg()}
                 shown = ", ".join(f"{n} {1000 * statistics.median(samples[n]):.2f} ms" for n in names)
             record["rounds"].append(entry)
             elapsed = time.monotonic() - started

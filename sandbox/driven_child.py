@@ -24,6 +24,7 @@ from trainbridge.sandbox.channel import Channel, ChannelClosed, ChannelProtocolE
 from trainbridge.sandbox.results import ChildWatch, Failure, FailureKind
 
 EXIT_GRACE_S = 5.0  # for a child whose channel closed without its closing message
+CHANNEL_FD = 1000  # where a child finds its channel: the same numbers in every child
 
 
 @dataclass(frozen=True)
@@ -116,20 +117,28 @@ class DrivenChild:
         spec = self.spec
         cmd_r, cmd_w = os.pipe()
         reply_r, reply_w = os.pipe()
+        # the child's ends always get the same numbers (its argv and open files would otherwise tell a child
+        # started first from one started second, and so the round it is in): copies at fixed numbers, made
+        # just for this start (children are started one at a time) and closed here once it has them
+        child_r, child_w = _fixed_fds()
+        os.dup2(cmd_r, child_r)
+        os.dup2(reply_w, child_w)
+        os.close(cmd_r)
+        os.close(reply_w)
         stdout, stderr = spec.stdout_path.open("wb"), spec.stderr_path.open("wb")
         self._files = [stdout, stderr]
         try:
-            self.popen = subprocess.Popen([*spec.argv, "--channel", f"{cmd_r},{reply_w}"], cwd=spec.cwd, env=spec.env,
-                                          stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, pass_fds=(cmd_r, reply_w),
+            self.popen = subprocess.Popen([*spec.argv, "--channel", f"{child_r},{child_w}"], cwd=spec.cwd, env=spec.env,
+                                          stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, pass_fds=(child_r, child_w),
                                           start_new_session=True, preexec_fn=spec.preexec_fn)
         except OSError as exc:
-            for fd in (cmd_r, cmd_w, reply_r, reply_w):
+            for fd in (child_r, child_w, cmd_w, reply_r):
                 os.close(fd)
             self._close_files()
             self.out.failure = Failure(kind=FailureKind.crashed, message=f"could not start {spec.argv[0]}: {exc}")
             return False
-        os.close(cmd_r)
-        os.close(reply_w)
+        os.close(child_r)
+        os.close(child_w)
         self.channel = Channel(reply_r, cmd_w)
         started = proc_watch.read_stat(self.popen.pid)
         self.since = started.start_ticks if started else None
@@ -297,6 +306,26 @@ class DrivenChild:
         for handle in self._files:
             handle.close()
         self._files = []
+
+
+def _fixed_fds() -> tuple[int, int]:
+    """The two descriptor numbers every child's channel ends get: high, below the open-files limit,
+    and free in this process (else the next free pair above them, and a child could tell)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    first = max(16, min(CHANNEL_FD, soft - 2) if soft != resource.RLIM_INFINITY else CHANNEL_FD)
+    while _is_open(first) or _is_open(first + 1):
+        first += 2
+    return first, first + 1
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
 
 
 def _add(items: list[str], text: str) -> None:

@@ -22,6 +22,7 @@ Two ways to run a plan:
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 
@@ -68,7 +69,9 @@ def drive_pair(first: ChildSpec, second: ChildSpec, *, orphans_to: int = 1,
         raise ValueError("drive_pair needs two plans with the same warm-up, measured and cool-down lengths")
     reaper = proc_watch.become_subreaper()
     children = [DrivenChild(spec, reaper=reaper, claims_orphans=(i == orphans_to)) for i, spec in enumerate((first, second))]
-    started = [c for c in children if c.start()]
+    # started in a random order: which one starts first (visible to both in /proc) says nothing about the round
+    launch = children if random.SystemRandom().random() < 0.5 else children[::-1]
+    started = [c for c in launch if c.start()]
     if len(started) < 2:
         for child in children:
             if child in started:

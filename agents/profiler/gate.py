@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from trainbridge.agents.profiler import conduct
+from trainbridge.agents.profiler import conduct, quiet
+from trainbridge.agents.profiler.quiet import busy_rounds
 from trainbridge.agents.profiler.drift import MARGIN as DRIFT_MARGIN
 from trainbridge.agents.profiler.drift import GateDrift, timed_drift, widen_for_drift
 from trainbridge.agents.profiler.integrity import Finding, check_config, check_probes, check_timed_deltas, check_timed_losses
@@ -226,8 +227,14 @@ def run_gate(
     candidate = Workload(root=candidate.root, config=baseline.config)
     workloads = {"baseline": baseline, "candidate": candidate}
 
+    cores: list[float | None] = []  # the baseline's cores over its timed steps, per round
+
+    def _kept() -> tuple[list[list[float]], list[list[float]]]:
+        busy = set(state.get("busy_rounds", []))
+        return ([r for i, r in enumerate(base_rounds) if i not in busy], [r for i, r in enumerate(cand_rounds) if i not in busy])
+
     progress("numerics", 0, 2)
-    planned, index = rounds, 0
+    planned, target, index = rounds, rounds, 0
     while index < planned:
         inputs = round_inputs[index]
         order = ("baseline", "candidate") if index % 2 == 0 else ("candidate", "baseline")
@@ -247,8 +254,9 @@ def run_gate(
             progress("numerics", 2, 2)
         failed = _failed_side(sides, where)
         if failed is not None:
-            return verdict(*failed, phase, **({"failure": sides["candidate"].run.failure,
-                                              "candidate_versions": sides["candidate"].run.versions} if "candidate" in sides else {}))
+            reason, message, findings = failed
+            return verdict(reason, message, phase, findings=findings, failure=sides["candidate"].run.failure,
+                           candidate_versions=sides["candidate"].run.versions)
         base, cand = sides["baseline"], sides["candidate"]
         state.update(baseline_versions=base.run.versions, candidate_versions=cand.run.versions)
         found = judge_conduct(base, cand, baseline.config.threads, where)
@@ -276,16 +284,22 @@ def run_gate(
         orders.append("AB" if order[0] == "baseline" else "BA")
         base_rounds.append(base.run.step_times_s)
         cand_rounds.append(cand.run.step_times_s)
-        progress("timing", index + 1, planned)
+        cores.append(base.run.watch.cores_used if base.run.watch is not None else None)
         index += 1
-        if index == rounds and max_rounds > rounds and wants_more_rounds(decide_speed(base_rounds, cand_rounds, min_gain, confidence)):
-            planned = max_rounds  # inconclusive, but a gain or loss of min_gain shows: the second look (stats.gate_decision)
+        state["busy_rounds"] = busy_rounds(cores, max_rounds)
+        kept = index - len(state["busy_rounds"])  # busy rounds are measured again (agents/profiler/quiet.py)
+        planned = index + max(0, target - kept)
+        if kept == rounds and target == rounds and max_rounds > rounds and wants_more_rounds(decide_speed(*_kept(), min_gain, confidence)):
+            target = max_rounds  # inconclusive, but a gain or loss of min_gain shows: the second look (stats.gate_decision)
+            planned = index + (target - kept)
+        progress("timing", index, planned)
         if index < planned:
             round_inputs.append(draw())
 
-    speed = gate_decision(base_rounds, cand_rounds, first=rounds, min_gain=min_gain, confidence=confidence)
+    speed = gate_decision(*_kept(), first=rounds, min_gain=min_gain, confidence=confidence)
     reason = _SPEED_REASONS[speed.outcome]
-    return verdict(reason, f"{speed.message}; {state['numerics'].message}", "done", speed=speed, ratio=speed.ratio,
+    busy_note = quiet.describe(cores, state["busy_rounds"], max_rounds)
+    return verdict(reason, f"{speed.message}{busy_note}; {state['numerics'].message}", "done", speed=speed, ratio=speed.ratio,
                    ratio_ci=(speed.ci_low, speed.ci_high))
 
 
@@ -305,7 +319,7 @@ def measure_drift(baseline: Workload, base: SideRun, inputs: RoundInputs, tolera
                      tolerance=widen_for_drift(tolerance, probe, timed, DRIFT_MARGIN))
 
 
-def _failed_side(sides: dict[str, SideRun], where: str) -> tuple[VerdictReason, str] | None:
+def _failed_side(sides: dict[str, SideRun], where: str) -> tuple[VerdictReason, str, list[Finding]] | None:
     """The round's failure, if any: the baseline's own raises GateError (not the candidate's fault);
     the candidate's becomes its typed rejection. A side stopped only because its partner failed
     (`interrupted`) is not a failure of its own."""
@@ -316,10 +330,10 @@ def _failed_side(sides: dict[str, SideRun], where: str) -> tuple[VerdictReason, 
         return None
     early = conduct.check_protocol(cand.run, where)
     if early:
-        return VerdictReason.tampered_harness, early[0].message
+        return VerdictReason.tampered_harness, early[0].message, early
     failure = cand.run.failure
     if failure is not None and not cand.run.interrupted:
-        return FAILURE_REASONS[failure.kind], _failure_message(failure, where)
+        return FAILURE_REASONS[failure.kind], _failure_message(failure, where), []
     return None
 
 
