@@ -219,8 +219,8 @@ def test_export_import_round_trips_exactly_and_is_idempotent(tmp_path):
         ])
         a.export_jsonl(tmp_path / "a.jsonl")
         recipes_a, outcomes_a = a.list_recipes(), a.all_outcomes()
-    with KnowledgeBase(tmp_path / "b") as b:
-        b._batch = 2  # exercise the batching that keeps every add under Chroma's max batch size
+    # batches of 2 exercise the batching that keeps every add under Chroma's max batch size
+    with KnowledgeBase(tmp_path / "b", batch_size=2) as b:
         report = b.import_jsonl(tmp_path / "a.jsonl")
         assert report.outcomes_added == 4 and report.recipes_added == 1  # the seeds were already there
         assert b.list_recipes() == recipes_a and b.all_outcomes() == outcomes_a
