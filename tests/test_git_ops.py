@@ -215,7 +215,7 @@ def test_a_stale_index_lock_in_our_worktree_is_cleared_but_not_the_users(user, t
     ws = workspace(user, tmp_path, stale_lock_age_s=1.0)
     cand = ws.start_candidate("c1")
     edit(cand.path, "1e-6", "1e-5")
-    admin = Path(ws._admin_dir(cand.path))
+    admin = Path(ws.folders.admin_dir(cand.path))
     (admin / "index.lock").write_text("")  # git killed during `git add`
     old = time.time() - 60
     os.utime(admin / "index.lock", (old, old))
@@ -276,7 +276,7 @@ def test_push_that_conflicts_is_reported_with_the_paths(user, tmp_path):
     assert caught.value.paths == ["model.py"]
     assert "trainbridge/run1.cand/b" in branches(user)
     side = ws.root / "branches" / "pending-npu"
-    assert not (Path(ws._admin_dir(side)) / "CHERRY_PICK_HEAD").exists()
+    assert not (Path(ws.folders.admin_dir(side)) / "CHERRY_PICK_HEAD").exists()
 
 
 def test_hooks_do_not_run_and_the_identity_is_configurable(user, tmp_path):
@@ -318,7 +318,7 @@ def test_candidate_diff_against_the_run_head(user, tmp_path):
     assert "--- a/model.py\n+++ b/model.py\n" in uncommitted and "+    return" in uncommitted and "1e-5" in uncommitted
     ws.commit_candidate("c1", "eps")
     assert ws.candidate_diff("c1") == uncommitted
-    assert not any(p.name.endswith(".index") for p in Path(ws._admin_dir(cand.path)).iterdir()
+    assert not any(p.name.endswith(".index") for p in Path(ws.folders.admin_dir(cand.path)).iterdir()
                    if p.name != "index")
 
 
