@@ -155,6 +155,35 @@ def test_python_dash_m_and_a_script_named_from_its_shell_scripts_folder(tmp_path
     assert found["scripts/helper_train.py"].evidence[0].where == "scripts/local.sh:1"
 
 
+def test_backward_in_an_imported_engine_module_counts(tmp_path):
+    """A main.py that builds the optimizer and calls an engine's train_one_epoch (where backward() is)."""
+    write(tmp_path, {
+        "main.py": """
+            import argparse
+            import torch
+            from engine import train_one_epoch
+            from vision import models
+
+            if __name__ == "__main__":
+                parser = argparse.ArgumentParser()
+                parser.add_argument("--epochs", type=int, default=300)
+                args = parser.parse_args()
+                model = models.tiny()
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+                for epoch in range(args.epochs):
+                    train_one_epoch(model, optimizer)
+        """,
+        "engine.py": "def train_one_epoch(model, optimizer):\n    loss = model().sum()\n    loss.backward()\n    optimizer.step()\n",
+        "vision/__init__.py": "", "vision/models.py": "import torch\n\ndef tiny():\n    return torch.nn.Linear(2, 2)\n",
+        "README.md": "```bash\npython main.py --epochs 3\n```\n",
+        "predict.py": "from engine import train_one_epoch\nif __name__ == '__main__':\n    print('no optimizer here')\n",
+    })
+    found = discover_launch(tmp_path)
+    assert [c.launch for c in found.candidates] == ["python main.py --epochs 3"]
+    assert "main.py builds an optimizer; .backward() is called in engine.py:3 (+3)" in found.best.reasons
+    assert {m.script for m in found.near_misses} == {"predict.py"}  # imports the engine but builds no optimizer
+
+
 def test_discovery_runs_nothing_of_the_repository(tmp_path):
     marker = tmp_path / "EXECUTED"
     write(tmp_path, {"train.py": f"open({str(marker)!r}, 'w').write('ran')\n" + textwrap.dedent(TRAINS),

@@ -8,8 +8,8 @@
 
 Evidence, strongest first: a command in a README's shell code block, in a shell script, in inline
 code of a markdown file; then a Python file that runs as a script (an `if __name__ == "__main__"`
-block or module-level code), builds an optimizer and calls `.backward()`, with no launch line
-written anywhere. A line only counts when its script is in the repository and trains; a script that
+block or module-level code), builds an optimizer and calls `.backward()` (itself, or in a module of
+the repository it imports, such as an engine.py), with no launch line written anywhere. A line only counts when its script is in the repository and trains; a script that
 runs but never steps an optimizer (it evaluates, samples, prepares data) is a near miss, reported
 with what it lacks. Everything is read from files (markdown, shell, Python through `ast`): nothing
 of the repository runs here.
@@ -138,6 +138,21 @@ def discover_launch(repo: Path) -> Discovery:
             facts[rel] = read_script_facts(root, rel)
         return facts.get(rel)
 
+    def training_of(rel: str) -> str | None:
+        """Why `rel` counts as a training script, or None: it builds an optimizer and calls .backward()
+        itself, or calls it through a module of the repository it imports (an engine.py's train_one_epoch)."""
+        script_facts = facts_of(rel)
+        if script_facts is None or not script_facts.runs_as_script or not script_facts.optimizer_lines:
+            return None
+        if script_facts.backward_lines:
+            return f"{rel} builds an optimizer and calls .backward()"
+        for module in script_facts.imports:
+            imported = _module_file(root, rel, module)
+            helper = facts_of(imported) if imported else None
+            if helper is not None and helper.backward_lines:
+                return f"{rel} builds an optimizer; .backward() is called in {imported}:{helper.backward_lines[0]}"
+        return None
+
     found: dict[tuple[str, ...], LaunchCandidate] = {}
     skipped: list[str] = []
     for rel in files:
@@ -157,12 +172,12 @@ def discover_launch(repo: Path) -> Discovery:
                 skipped.append(f"{where} `{command}`: {parsed.script} is not in the repository")
                 continue
             script_facts = facts_of(script)
-            if script_facts is None or not script_facts.trains:
+            if script_facts is None or training_of(script) is None:
                 why = script_facts.syntax_error or script_facts.why_not_training() if script_facts else "unreadable"
                 skipped.append(f"{where} `{command}`: {script} {why}")
                 continue
             _add(found, parsed, script, LaunchEvidence(kind=EvidenceKind(kind), file=rel, line=number, text=command),
-                 root, facts_of)
+                 root, facts_of, training_of(script))
 
     near: list[NearMiss] = []
     for rel in files:
@@ -171,15 +186,15 @@ def discover_launch(repo: Path) -> Discovery:
         script_facts = facts_of(rel)
         if script_facts is None or not script_facts.runs_as_script:
             continue
-        if not script_facts.trains:
+        if training_of(rel) is None:
             if Path(rel).name == "configurator.py" and any(facts_of(c.script).uses_configurator for c in found.values()):
                 continue  # exec'd by the training script to read its settings, not a program of its own
             near.append(NearMiss(script=rel, reason=f"runs as a script but {script_facts.why_not_training()}"))
         elif not any(c.script == rel for c in found.values()):
-            line = script_facts.main_guard or min(script_facts.backward_lines)
+            line = script_facts.main_guard or min(script_facts.backward_lines or script_facts.optimizer_lines)
             parsed = ParsedLaunch(argv=["python", rel], script=rel, script_args=[])
             _add(found, parsed, rel, LaunchEvidence(kind=EvidenceKind.script_only, file=rel, line=line,
-                                                    text=f"python {rel}"), root, facts_of)
+                                                    text=f"python {rel}"), root, facts_of, training_of(rel))
 
     candidates = sorted(found.values(), key=lambda c: (-c.score, c.evidence[0].file.count("/"), c.evidence[0].file,
                                                        c.evidence[0].line))
@@ -198,8 +213,20 @@ def _resolve_script(root: Path, source: str, script: str) -> str | None:
     return None
 
 
+def _module_file(root: Path, importer: str, module: str) -> str | None:
+    """The repo-relative file of `module` as imported by `importer` (from its folder or the root)."""
+    level = len(module) - len(module.lstrip("."))
+    parts = [p for p in module.lstrip(".").split(".") if p]
+    bases = [(root / importer).parents[level - 1]] if level else [(root / importer).parent, root]
+    for base in bases:
+        for path in (base.joinpath(*parts).with_suffix(".py") if parts else None, base.joinpath(*parts, "__init__.py")):
+            if path is not None and path.is_file() and path.resolve().is_relative_to(root):
+                return path.resolve().relative_to(root).as_posix()
+    return None
+
+
 def _add(found: dict[tuple[str, ...], LaunchCandidate], parsed: ParsedLaunch, script: str, evidence: LaunchEvidence,
-         root: Path, facts_of) -> None:
+         root: Path, facts_of, training: str) -> None:
     key = tuple(parsed.argv)
     if key in found:
         held = found[key]
@@ -209,7 +236,7 @@ def _add(found: dict[tuple[str, ...], LaunchCandidate], parsed: ParsedLaunch, sc
         return
     score = _KIND_SCORE[evidence.kind] + 3.0
     reasons = [f"{evidence.kind} at {evidence.where} (+{_KIND_SCORE[evidence.kind]:g})",
-               f"{script} builds an optimizer and calls .backward() (+3)"]
+               f"{training} (+3)"]
     if Path(script).stem.startswith("train"):
         score += 0.5
         reasons.append("the script is named train* (+0.5)")

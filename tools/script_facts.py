@@ -53,6 +53,7 @@ class ScriptFacts:
     distributed: bool = False  # init_process_group / RANK in the environment
     settings: list[SettingHint] = field(default_factory=list)
     path_strings: list[tuple[str, int]] = field(default_factory=list)
+    imports: list[str] = field(default_factory=list)  # modules it imports (relative ones with their dots)
     only_assignments: bool = False  # a config file: nothing but `name = literal` lines
     syntax_error: str | None = None
 
@@ -93,6 +94,13 @@ def read_script_facts(root: Path, rel: str) -> ScriptFacts:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             _read_call(node, facts)
+        elif isinstance(node, ast.Import):
+            facts.imports += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            facts.imports.append(base)
+            if node.module is None or node.level:  # `from . import engine`: the names may be modules
+                facts.imports += [f"{base}{'' if base.endswith('.') else '.'}{alias.name}" for alias in node.names]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _PATH_LIKE.match(node.value):
             facts.path_strings.append((node.value, node.lineno))
         elif isinstance(node, ast.ClassDef) and any(_decorator_name(d) == "dataclass" for d in node.decorator_list):
