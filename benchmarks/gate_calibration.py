@@ -12,14 +12,13 @@ planted slowdown (every step spins for a fixed fraction of its own real work tim
 - -5% (the +5% variant as the baseline, the original as the candidate, a ratio of 1/1.05): the
   gate should accept a real gain of that size.
 
-Design: every round runs one fresh sandbox child per program (baseline, baseline again,
-+2%, +5%, +10%), in an order rotated from round to round so that no program always runs first;
-all children of a round use the same seed and batch indices and run exactly as the gate's children do
-(`gate.run_side`: probe, then parent-timed steps), like the gate's pairs. Consecutive blocks of
-``--rounds`` rounds form independent gate runs; each is decided by `stats.decide_speed` exactly as
-`run_gate` decides after its timing phase. Partners in a round ran at most four children apart
-(the gate runs them back to back), so these figures are if anything pessimistic about pairing.
-Rates over sliding windows of rounds are reported too (more decisions, but overlapping, so not
+Design: every round runs fresh sandbox children exactly as the gate's are run (`gate.run_pair` or
+`gate.run_side`: probe, then parent-timed steps), all on the round's seed and batch indices. Under
+the gate's default pairing on the CPU ("paired"), a round pairs the baseline with each other program
+in turn (baseline again, +2%, +5%, +10%: two children alive at once, their steps alternated, the
+baseline leading on even rounds as the gate's does); under "sequential", every program runs once,
+in an order rotated from round to round. Consecutive blocks of ``--rounds`` rounds form independent
+gate runs; each is decided by `stats.gate_decision` exactly as `run_gate` decides. Rates over sliding windows of rounds are reported too (more decisions, but overlapping, so not
 independent), and one decision over all rounds pooled (what a gate of that many rounds would
 say). Prints markdown tables, writes JSON (raw samples included) to
 benchmarks/results/gate_calibration.json after every round, so a killed run keeps its data;
@@ -41,7 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainbridge.agents.profiler.gate import RoundInputs, run_side
+from trainbridge.agents.profiler.gate import PAIRINGS, RoundInputs, default_pairing, run_pair, run_side
+from trainbridge.agents.profiler.quiet import busy_rounds
 from trainbridge.agents.profiler.stats import SpeedOutcome, decide_speed, gate_decision
 from trainbridge.sandbox.workload import Workload, load_workload
 
@@ -107,18 +107,56 @@ def write_json(path: Path, record: dict) -> None:
     tmp.replace(path)
 
 
-def run_round(programs: dict[str, Workload], order: list[str], seed: int, steps: int, backend: str) -> dict[str, list[float]]:
-    """One round: every program once, in a gate child exactly as `run_gate` runs each side (the probe,
-    then warm-up, measured and cool-down steps on the round's batch indices, timed by this process)."""
-    inputs = RoundInputs.draw(random.Random(seed), numerics_steps=3, warmup=next(iter(programs.values())).config.warmup_steps,
-                              steps=steps, index_range=256)
-    samples = {}
+def _inputs(programs: dict[str, Workload], seed: int, steps: int) -> RoundInputs:
+    return RoundInputs.draw(random.Random(seed), numerics_steps=3, warmup=next(iter(programs.values())).config.warmup_steps,
+                            steps=steps, index_range=256)
+
+
+def _times(side, name: str) -> list[float]:
+    if side.run.failure is not None or not side.run.step_times_s:
+        raise SystemExit(f"{name} failed in a calibration round: {side.run.failure}")
+    return side.run.step_times_s
+
+
+def _cores(side) -> float | None:
+    return side.run.watch.cores_used if side.run.watch is not None else None
+
+
+def run_round(programs: dict[str, Workload], order: list[str], seed: int, steps: int,
+              backend: str) -> tuple[dict[str, list[float]], dict[str, float | None]]:
+    """One sequential round: every program once, in a gate child exactly as `run_gate` runs each side
+    under sequential pairing (the probe, then warm-up, measured and cool-down steps on the round's
+    batch indices, timed by this process). Returns the step times and the cores of each program."""
+    inputs = _inputs(programs, seed, steps)
+    samples, cores = {}, {}
     for name in order:
         side = run_side(programs[name], inputs, backend=backend, extra_env=None, work_dir=None, label="baseline")
-        if side.run.failure is not None or not side.run.step_times_s:
-            raise SystemExit(f"{name} failed in a calibration round: {side.run.failure}")
-        samples[name] = side.run.step_times_s
-    return samples
+        samples[name], cores[name] = _times(side, name), _cores(side)
+    return samples, cores
+
+
+def run_paired_round(programs: dict[str, Workload], index: int, seed: int, steps: int, backend: str) -> dict[str, dict[str, list[float]]]:
+    """One paired round, exactly as `run_gate` pairs its sides: "base" beside every other program in
+    turn (two children alive at once, steps alternated), "base" leading on even rounds (the gate's
+    baseline leads on even rounds). All pairs of a round share its seed and batch indices."""
+    inputs = _inputs(programs, seed, steps)
+    pairs = {}
+    for name in [n for n in programs if n != "base"]:
+        lead_base = index % 2 == 0
+        first, second = ("base", name) if lead_base else (name, "base")
+        a, b = run_pair((programs[first], programs[second]), inputs, backend=backend, extra_env=None, work_dir=None,
+                        orphans_to=1 if lead_base else 0)
+        pairs[name] = {first: _times(a, first), second: _times(b, second), "cores": {first: _cores(a), second: _cores(b)}}
+    return pairs
+
+
+def round_sides(round_record: dict, base: str, cand: str) -> tuple[list[float], list[float], float | None]:
+    """The two sides of a condition in one round (from the same pair when the round was paired),
+    and the cores the condition's baseline got over its timed steps (None: not recorded)."""
+    if "pairs" in round_record:
+        pair = round_record["pairs"][cand if base == "base" else base]
+        return pair[base], pair[cand], (pair.get("cores") or {}).get(base)
+    return round_record["samples"][base], round_record["samples"][cand], (round_record.get("cores") or {}).get(base)
 
 
 def conditions(slowdowns: list[float]) -> list[tuple[str, str, str, float]]:
@@ -130,7 +168,7 @@ def conditions(slowdowns: list[float]) -> list[tuple[str, str, str, float]]:
     return out
 
 
-def decide_blocks(rounds: list[dict[str, list[float]]], block: int, args, slowdowns: list[float], sliding: bool,
+def decide_blocks(rounds: list[dict], block: int, args, slowdowns: list[float], sliding: bool,
                   first: int | None = None) -> dict[str, list[dict]]:
     """Decide every block of `block` rounds per condition. With `first`, exactly as `run_gate` does:
     a look after `first` rounds and, only when that look wants more rounds, a second over the block."""
@@ -138,15 +176,18 @@ def decide_blocks(rounds: list[dict[str, list[float]]], block: int, args, slowdo
     decisions: dict[str, list[dict]] = {}
     for label, base, cand, truth in conditions(slowdowns):
         for start in starts:
-            window = rounds[start:start + block]
-            base_rounds, cand_rounds = [r[base] for r in window], [r[cand] for r in window]
+            window = [round_sides(r, base, cand) for r in rounds[start:start + block]]
+            # busy rounds left out as the gate leaves them out (it measures replacements; here the window is shorter)
+            busy = set(busy_rounds([cores for _, _, cores in window], block))
+            base_rounds = [b for i, (b, _, _) in enumerate(window) if i not in busy]
+            cand_rounds = [c for i, (_, c, _) in enumerate(window) if i not in busy]
             if first is None:
                 d = decide_speed(base_rounds, cand_rounds, args.min_gain, args.confidence, seed=start)
             else:
                 d = gate_decision(base_rounds, cand_rounds, first=first, min_gain=args.min_gain, confidence=args.confidence)
             decisions.setdefault(label, []).append({
                 "start": start, "outcome": d.outcome.value, "ratio": d.ratio, "ci": [d.ci_low, d.ci_high], "truth": truth,
-                "rounds_used": d.n, "second_look": first is not None and d.n > first,
+                "rounds_used": d.n, "second_look": first is not None and d.n > first, "busy_rounds": sorted(busy),
             })
     return decisions
 
@@ -197,9 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-gain", type=float, default=0.01)
     parser.add_argument("--confidence", type=float, default=0.95)
     parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--pairing", choices=PAIRINGS, default=None,
+                        help="how a round's sides run, as the gate does (default: the gate's default for --backend)")
     parser.add_argument("--out", type=Path, default=RESULTS / "gate_calibration.json")
     parser.add_argument("--from-json", type=Path, default=None, help="re-decide the samples saved in this JSON; no measuring")
     args = parser.parse_args(argv)
+    args.pairing = args.pairing or default_pairing(args.backend)
     args.max_rounds = args.max_rounds or 2 * args.rounds
     if args.max_rounds < args.rounds:
         parser.error(f"--max-rounds ({args.max_rounds}) must be at least --rounds ({args.rounds})")
@@ -234,13 +278,20 @@ def measure(args) -> dict:
             programs[f"slow_{f:g}"] = planted_variant(source, Path(tmp) / f"slow_{f:g}", f)
         names = list(programs)
         for index in range(total):
-            shift = index % len(names)
-            order = names[shift:] + names[:shift]
-            samples = run_round(programs, order, rng.randrange(1, 2**31 - 1), args.steps_per_round, args.backend)
-            record["rounds"].append({"order": order, "samples": samples, "loadavg": os.getloadavg()})
+            seed = rng.randrange(1, 2**31 - 1)
+            if args.pairing == "paired":
+                pairs = run_paired_round(programs, index, seed, args.steps_per_round, args.backend)
+                entry = {"pairs": pairs, "loadavg": os.getloadavg()}
+                shown = ", ".join(f"{n}/base {statistics.median(p[n]) / statistics.median(p['base']):.3f}" for n, p in pairs.items())
+            else:
+                shift = index % len(names)
+                order = names[shift:] + names[:shift]
+                samples, cores = run_round(programs, order, seed, args.steps_per_round, args.backend)
+                entry = {"order": order, "samples": samples, "cores": cores, "loadavg": os.getloadavg()}
+                shown = ", ".join(f"{n} {1000 * statistics.median(samples[n]):.2f} ms" for n in names)
+            record["rounds"].append(entry)
             elapsed = time.monotonic() - started
-            print(f"round {index + 1}/{total} done in {elapsed:.0f} s; medians (ms): "
-                  + ", ".join(f"{n} {1000 * statistics.median(samples[n]):.2f}" for n in names), file=sys.stderr, flush=True)
+            print(f"round {index + 1}/{total} done in {elapsed:.0f} s; {shown}", file=sys.stderr, flush=True)
             write_json(args.out, record)
     record["machine"]["loadavg_end"] = os.getloadavg()
     record["wall_s"] = time.monotonic() - started
@@ -248,7 +299,7 @@ def measure(args) -> dict:
 
 
 def report(record: dict, args, slowdowns: list[float]) -> None:
-    rounds = [r["samples"] for r in record["rounds"]]
+    rounds = record["rounds"]
     first, block = args.rounds, args.max_rounds
     record["decision"] = {"first_look_rounds": first, "max_rounds": block}
     record["summary_independent"] = summarise(decide_blocks(rounds, block, args, slowdowns, sliding=False, first=first))

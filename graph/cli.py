@@ -1,6 +1,7 @@
 """The `trainbridge` command line: the root app, with every command mounted from its own module.
 
     cli_inspect.py   measure, analyze, collect-evidence (one workload, no loop)
+    init_cmd.py      init (find the launch line, write trainbridge.toml)
     cli_loop.py      run, resume, status, review, report, demo, verify
     cli_server.py    serve (and `run/review --server`)
     knowledge/cli.py kb ...
@@ -26,12 +27,13 @@ def _root() -> None:
 
 def build_app() -> typer.Typer:
     """The root typer app with every command and sub-app mounted."""
-    from trainbridge.graph import cli_inspect, cli_loop, cli_server
+    from trainbridge.graph import cli_inspect, cli_loop, cli_server, init_cmd
     from trainbridge.knowledge.cli import kb_app
     from trainbridge.tools.porting_cli import port_command
 
     app = typer.Typer(name="trainbridge", help=HELP, no_args_is_help=True, add_completion=False, rich_markup_mode="rich")
     app.callback()(_root)
+    app.command("init")(init_cmd.init)
     app.command("measure")(cli_inspect.measure)
     app.command("analyze")(cli_inspect.analyze)
     app.command("collect-evidence")(cli_inspect.collect_evidence)

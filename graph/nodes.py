@@ -14,6 +14,7 @@ from typing import Any, Literal
 from langgraph.runtime import Runtime
 from langgraph.types import interrupt
 
+from trainbridge.agents.analyst.own_rewrites import split_own_rewrites, verdict_landed
 from trainbridge.agents.coder.attempts import coder_turn
 from trainbridge.agents.coder.candidate import Candidate
 from trainbridge.agents.retrieval.choose import choose_intent
@@ -21,7 +22,6 @@ from trainbridge.graph import npu_pending
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.detached_views import detached_view, remove_view
 from trainbridge.graph.npu_port import port_to_npu
-from trainbridge.graph.own_rewrites import added_lines, is_own_rewrite
 from trainbridge.graph.review import REVIEW_SCHEMA_VERSION, ReviewDecision, review_payload
 from trainbridge.graph.state import RunState
 from trainbridge.graph.stops import NO_INTENTS, RunStopped, limit_reached, stop_reason
@@ -81,12 +81,11 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
                             compile_reference=ctx.config.compile_reference and first)
     done = set(state.get("done_intents", []))
     wanted = set(ctx.config.categories) if ctx.config.categories else None
-    landed = {v["category"] for v in state.get("verdicts", []) if v.get("accepted") or v.get("reason") == "speed_unmeasured_numerics_ok"}
-    added = added_lines(head, state["base_sha"]) if landed else {}
-    own = [i for i in analysis.intents if is_own_rewrite(i, added, landed)]
-    if own:
-        ctx.say(f"skipping {len(own)} finding(s) on lines this run already rewrote: {', '.join(str(i.category) for i in own)}")
-    intents = [i for i in analysis.intents if i.id not in done and i not in own and (wanted is None or str(i.category) in wanted)]
+    found = split_own_rewrites(analysis.intents, head, state["base_sha"], state.get("verdicts", []))
+    if found.own:
+        ctx.say(f"skipping {len(found.own)} finding(s) on lines this run already rewrote: "
+                f"{', '.join(str(i.category) for i in found.own)}")
+    intents = [i for i in found.kept if i.id not in done and (wanted is None or str(i.category) in wanted)]
     update: dict[str, Any] = {
         "node": "analyst",
         "intents": [i.model_dump(mode="json") for i in intents],
@@ -261,8 +260,7 @@ def route_after_decide(state: RunState, runtime: Runtime[RunContext]) -> Literal
     if limit_reached(state, runtime.context.config) is not None:
         return "report"
     current = (state.get("current_intent") or {}).get("id")
-    landed = last.get("accepted") or last.get("reason") == "speed_unmeasured_numerics_ok"
-    if landed and state.get("candidate") is None and last.get("intent_id") == current and current in state.get("done_intents", []):
+    if verdict_landed(last) and state.get("candidate") is None and last.get("intent_id") == current and current in state.get("done_intents", []):
         return "analyst"  # fusions interact (and lines move): re-profile the new head before choosing again
     if state.get("recipe_queue") and state.get("current_intent") and state["current_intent"]["id"] not in state.get("done_intents", []):
         return "coder"

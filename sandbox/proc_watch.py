@@ -86,6 +86,22 @@ def thread_cpu_ns(pid: int) -> int | None:
     return total
 
 
+def thread_nices(pid: int) -> list[tuple[int, int]]:
+    """(thread id, nice) of every live thread of `pid`."""
+    out = []
+    try:
+        tasks = list((_PROC / str(pid) / "task").iterdir())
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return out
+    for task in tasks:
+        try:
+            text = (task / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        out.append((int(task.name), int(text[text.rindex(")") + 2:].split()[16])))
+    return out
+
+
 def thread_policies(pid: int) -> list[tuple[int, int]]:
     """(nice, policy) of every live thread of `pid` (a thread's priority can differ from its process's)."""
     out = []
@@ -113,11 +129,15 @@ def all_stats() -> list[ProcStat]:
     return stats
 
 
-def descendants(root_pid: int, *, reaper_pid: int | None = None, since_ticks: int | None = None) -> list[ProcStat]:
+def descendants(root_pid: int, *, reaper_pid: int | None = None, since_ticks: int | None = None,
+                exclude: set[int] | frozenset[int] = frozenset()) -> list[ProcStat]:
     """Processes descended from `root_pid` (not itself): by parent links, by its session and process
     group, and (with `reaper_pid`, the subreaper) orphans reparented to the reaper that started after
-    `since_ticks` (the child's start) and are not the root."""
+    `since_ticks` (the child's start) and are not the root. `exclude`: other children of the reaper
+    running at the same time (sandbox siblings): neither they nor their own descendants count."""
     stats = all_stats()
+    if exclude:
+        stats = [s for s in stats if s.pid not in exclude and s.sid not in exclude and s.pgid not in exclude]
     by_parent: dict[int, list[ProcStat]] = {}
     for stat in stats:
         by_parent.setdefault(stat.ppid, []).append(stat)
@@ -149,15 +169,16 @@ def kill_all(stats: list[ProcStat]) -> None:
             pass
 
 
-def reap_orphans(since_ticks: int | None, exclude: int) -> int:
+def reap_orphans(since_ticks: int | None, exclude: int | set[int]) -> int:
     """Collect the exited orphans handed to this process as subreaper that started after `since_ticks`
     (a sandbox child's start: its descendants), never `exclude` (the child itself, which its Popen
     waits for). A Popen of another thread started after the child could match too and lose its
     status; TrainBridge runs sandbox children from one thread at a time. Returns how many."""
     reaped = 0
     me = os.getpid()
+    excluded = {exclude} if isinstance(exclude, int) else set(exclude)
     for stat in all_stats():
-        if stat.ppid != me or stat.state != "Z" or stat.pid == exclude:
+        if stat.ppid != me or stat.state != "Z" or stat.pid in excluded:
             continue
         if since_ticks is not None and stat.start_ticks < since_ticks:
             continue
@@ -180,14 +201,15 @@ class TreeSample:
     raised_priority: list[str] = field(default_factory=list)
 
 
-def sample_tree(pid: int, *, base_nice: int, reaper_pid: int | None, since_ticks: int | None) -> TreeSample | None:
+def sample_tree(pid: int, *, base_nice: int, reaper_pid: int | None, since_ticks: int | None,
+                exclude: set[int] | frozenset[int] = frozenset()) -> TreeSample | None:
     stat = read_stat(pid)
     if stat is None:
         return None
     live = thread_cpu_ns(pid)
     # schedstat keeps nanoseconds (live threads only); stat keeps clock ticks (10 ms), exited threads included
     cpu = live if live is not None else stat.cpu_ns
-    kids = descendants(pid, reaper_pid=reaper_pid, since_ticks=since_ticks)
+    kids = descendants(pid, reaper_pid=reaper_pid, since_ticks=since_ticks, exclude=exclude)
     helpers = sum(k.cpu_ns for k in kids)
     cpu += helpers
     raised = []

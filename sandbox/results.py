@@ -43,6 +43,10 @@ class ChildWatch(Record):
     survivors: list[str] = Field(default_factory=list, description="processes that escaped the child's process group and outlived it")
     protocol_violations: list[str] = Field(default_factory=list, description="messages on the control channel the harness did not send")
     replaced: list[str] = Field(default_factory=list, description="clocks, sync and harness functions the workload rebound (sandbox/guard.py)")
+    idle_cpu_s: float | None = Field(default=None, description="paired runs: CPU of the child's tree while the other child was timed")
+    idle_wall_s: float | None = Field(default=None, description="paired runs: wall time of the other child's timed steps")
+    interference: list[str] = Field(default_factory=list, description="paired runs: what another process did to this child "
+                                    "(stopped it, lowered its priority, narrowed its cores)")
 
 
 class RunResult(Record):
@@ -66,6 +70,7 @@ class RunResult(Record):
                                                      "the last, on the parent's clock and on the child's")
     cooldown_losses: list[float] = Field(default_factory=list)
     watch: ChildWatch | None = Field(default=None, description="parent-timed runs: the kernel's view of the child")
+    interrupted: str | None = Field(default=None, description="paired runs: the other child's fault ended this run (why)")
     peak_memory_bytes: int | None = None
     versions: dict[str, str] = Field(default_factory=dict)
     network_isolated: bool = False

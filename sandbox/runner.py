@@ -31,7 +31,7 @@ from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory,
 from trainbridge.sandbox.npu_emulation import selection_env
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
 from trainbridge.sandbox.scratch import scratch_dir
-from trainbridge.sandbox.step_driver import DriveOutcome, StepPlan, drive
+from trainbridge.sandbox.step_driver import ChildSpec, DriveOutcome, StepPlan, drive, drive_pair
 from trainbridge.sandbox.workload import Workload
 
 ProgressCallback = Callable[[int, int], None]  # (steps done, steps total)
@@ -57,32 +57,18 @@ def run_workload(
     target = Backend(backend)
     memory_limit_mb = config.memory_limit_mb or default_memory_limit_mb()
     isolation = network_isolation()
-    env = scrubbed_env({**target.child_env(), **(extra_env or {})}, threads=config.threads, seed=config.seed)
-    if target.name == "npu":  # the real torch_npu when usable, else the CPU stand-in first on the child's path
-        env = selection_env(npu_selection(), env)
+    env = _child_env(config, target, extra_env)
     total = config.warmup_steps + config.steps
     with scratch_dir("trainbridge-run-", work_dir) as tmp_dir:
         if config.mode == "script":
             return _run_script(workload, target, mode, plan, env, isolation, memory_limit_mb, tmp_dir, extra_request, on_progress)
         if config.mode == "entry" and mode in CHANNEL_MODES:
-            if plan is None and mode == "gate":
-                raise ValueError("mode 'gate' needs a StepPlan (its batch indices, probe and parameter deltas)")
-            plan = plan or StepPlan.sequential(config.warmup_steps, config.steps)
-            request = {"mode": mode, "root": str(workload.root), "entry": config.entry, "pythonpath": config.pythonpath,
-                       "backend": target.name, "seed": config.seed, "threads": config.threads, **(extra_request or {})}
-            base = _base_result(config, target, isolation, memory_limit_mb)
-            base.warmup_steps = len(plan.warmup)
-            steps_total = len(plan.warmup) + len(plan.measured) + len(plan.cooldown)
+            spec, base = _channel_child(workload, target, mode, plan, extra_request, env, isolation, memory_limit_mb, tmp_dir)
             started = time.monotonic()
-            # argv is the same for every timed child: what it is asked comes over the channel only
-            outcome = drive([*isolation.prefix, sys.executable, "-m", "trainbridge.sandbox.harness"], request=request, plan=plan,
-                            cwd=workload.root, env=env, preexec_fn=limit_memory(memory_limit_mb), timeout_s=config.timeout_s,
-                            stdout_path=tmp_dir / "stdout.txt", stderr_path=tmp_dir / "stderr.txt",
-                            on_progress=(lambda done: on_progress(min(done, total), total)) if on_progress else None)
+            steps_total = len(spec.plan.timed())
+            outcome = drive(spec, on_progress=(lambda done: on_progress(min(done, total), total)) if on_progress else None)
             base.wall_s = time.monotonic() - started
-            base.stdout_tail = (tmp_dir / "stdout.txt").read_text(encoding="utf-8", errors="replace")[-TAIL_CHARS:]
-            base.stderr_tail = (tmp_dir / "stderr.txt").read_text(encoding="utf-8", errors="replace")[-TAIL_CHARS:]
-            return _driven_result(base, outcome, config.timeout_s, steps_total)
+            return _driven_result(_with_tails(base, tmp_dir), outcome, config.timeout_s, steps_total)
         if config.mode == "entry":
             request = {
                 "mode": mode,
@@ -127,9 +113,104 @@ def run_workload(
 CHANNEL_MODES = ("measure", "gate")
 
 
+def run_workload_pair(
+    workloads: tuple[Workload, Workload],
+    plans: tuple[StepPlan, StepPlan],
+    *,
+    backend: str = "cpu",
+    extra_env: dict[str, str] | None = None,
+    orphans_to: int = 1,
+    work_dir: Path | None = None,
+) -> tuple[RunResult, RunResult]:
+    """Two gate children alive at once, their timed steps alternated (sandbox/step_driver.py,
+    `drive_pair`); `workloads[0]` leads. Never raises for the workloads' faults: when one child's
+    fault ends the pair, the other's result is a failure marked `interrupted`."""
+    target = Backend(backend)
+    isolation = network_isolation()
+    modes = {workload.config.mode for workload in workloads}
+    if modes not in ({"entry"}, {"script"}):
+        raise ValueError(f"paired gate runs need two entry-mode or two script-mode workloads, got {' and '.join(sorted(modes))}")
+    with scratch_dir("trainbridge-run-a-", work_dir) as dir_a, scratch_dir("trainbridge-run-b-", work_dir) as dir_b:
+        built = []
+        for workload, plan, tmp_dir in zip(workloads, plans, (dir_a, dir_b)):
+            config = workload.config
+            memory_limit_mb = config.memory_limit_mb or default_memory_limit_mb()
+            env = _child_env(config, target, extra_env)
+            if config.mode == "script":
+                child = _script_child(workload, target, "gate", plan, None, env, isolation, memory_limit_mb, tmp_dir)
+                if isinstance(child, RunResult):  # it cannot start: the pair is not run at all
+                    partner = workloads[1 if not built else 0].config
+                    other = _base_result(partner, target, isolation, partner.memory_limit_mb or default_memory_limit_mb())
+                    other.failure = Failure(kind=FailureKind.crashed, message="the other side of the pair could not be started")
+                    other.interrupted = "the other side of the pair could not be started"
+                    return (child, other) if not built else (other, child)
+                built.append(child)
+            else:
+                built.append((*_channel_child(workload, target, "gate", plan, None, env, isolation, memory_limit_mb, tmp_dir), None))
+        started = time.monotonic()
+        outcomes = drive_pair(built[0][0], built[1][0], orphans_to=orphans_to)
+        wall = time.monotonic() - started
+        results = []
+        for (spec, base, setup), outcome, tmp_dir, workload in zip(built, outcomes, (dir_a, dir_b), workloads):
+            base.wall_s = wall
+            result = _driven_result(_with_tails(base, tmp_dir), outcome, workload.config.timeout_s, len(spec.plan.timed()))
+            if setup is not None:
+                result = script_run.finish(result, setup, outcome.result, workload.config.timeout_s)
+            results.append(result)
+        return results[0], results[1]
+
+
+def _child_env(config, target: Backend, extra_env: dict[str, str] | None) -> dict[str, str]:
+    env = scrubbed_env({**target.child_env(), **(extra_env or {})}, threads=config.threads, seed=config.seed)
+    if target.name == "npu":  # the real torch_npu when usable, else the CPU stand-in first on the child's path
+        env = selection_env(npu_selection(), env)
+    return env
+
+
+def _channel_child(workload: Workload, target: Backend, mode: str, plan: StepPlan | None, extra_request: dict[str, Any] | None,
+                   env: dict[str, str], isolation, memory_limit_mb: int, tmp_dir: Path) -> tuple[ChildSpec, RunResult]:
+    """How to start one parent-timed child, and the result record its outcome will fill."""
+    config = workload.config
+    if plan is None and mode == "gate":
+        raise ValueError("mode 'gate' needs a StepPlan (its batch indices, probe and parameter deltas)")
+    plan = plan or StepPlan.sequential(config.warmup_steps, config.steps)
+    request = {"mode": mode, "root": str(workload.root), "entry": config.entry, "pythonpath": config.pythonpath,
+               "backend": target.name, "seed": config.seed, "threads": config.threads, **(extra_request or {})}
+    base = _base_result(config, target, isolation, memory_limit_mb)
+    base.warmup_steps = len(plan.warmup)
+    # argv is the same for every timed child: what it is asked comes over the channel only
+    spec = ChildSpec(argv=[*isolation.prefix, sys.executable, "-m", "trainbridge.sandbox.harness"], request=request, plan=plan,
+                     cwd=workload.root, env=env, preexec_fn=limit_memory(memory_limit_mb), timeout_s=config.timeout_s,
+                     stdout_path=tmp_dir / "stdout.txt", stderr_path=tmp_dir / "stderr.txt")
+    return spec, base
+
+
+def _with_tails(base: RunResult, tmp_dir: Path) -> RunResult:
+    base.stdout_tail = (tmp_dir / "stdout.txt").read_text(encoding="utf-8", errors="replace")[-TAIL_CHARS:]
+    base.stderr_tail = (tmp_dir / "stderr.txt").read_text(encoding="utf-8", errors="replace")[-TAIL_CHARS:]
+    return base
+
+
 def _run_script(workload: Workload, target: Backend, mode: str, plan: StepPlan | None, env: dict[str, str], isolation,
                 memory_limit_mb: int, tmp_dir: Path, extra_request: dict[str, Any] | None, on_progress) -> RunResult:
     """Script mode (sandbox/script_run.py): the user's script under sandbox/script_launcher.py, driven like entry mode."""
+    built = _script_child(workload, target, mode, plan, extra_request, env, isolation, memory_limit_mb, tmp_dir)
+    if isinstance(built, RunResult):
+        return built
+    spec, base, setup = built
+    total = workload.config.warmup_steps + workload.config.steps
+    started = time.monotonic()
+    outcome = drive(spec, on_progress=(lambda done: on_progress(min(done, total), total)) if on_progress else None)
+    base.wall_s = time.monotonic() - started
+    result = _driven_result(_with_tails(base, tmp_dir), outcome, workload.config.timeout_s, len(spec.plan.timed()))
+    return script_run.finish(result, setup, outcome.result, workload.config.timeout_s)
+
+
+def _script_child(workload: Workload, target: Backend, mode: str, plan: StepPlan | None, extra_request: dict[str, Any] | None,
+                  env: dict[str, str], isolation, memory_limit_mb: int,
+                  tmp_dir: Path) -> tuple[ChildSpec, RunResult, script_run.ScriptSetup] | RunResult:
+    """How to start one script-mode child (its working directory made in `tmp_dir`), or the failed result that
+    stops it before it starts (a missing script, a data entry that is nowhere, a multi-process launch)."""
     config = workload.config
     base = _base_result(config, target, isolation, memory_limit_mb)
     setup = script_run.prepare(workload, backend=target.name, mode=mode, tmp_dir=tmp_dir, extra_request=extra_request)
@@ -142,18 +223,10 @@ def _run_script(workload: Workload, target: Backend, mode: str, plan: StepPlan |
         plan, setup.request["profile"] = script_run.profile_plan(config.warmup_steps, config.steps)
     plan = plan or StepPlan.sequential(config.warmup_steps, config.steps)
     base.warmup_steps = len(plan.warmup)
-    steps_total = len(plan.warmup) + len(plan.measured) + len(plan.cooldown)
-    total = config.warmup_steps + config.steps
-    started = time.monotonic()
-    outcome = drive([*isolation.prefix, sys.executable, "-m", script_run.LAUNCHER_MODULE], request=setup.request, plan=plan,
-                    cwd=setup.run_dir.cwd, env=env, preexec_fn=limit_memory(memory_limit_mb), timeout_s=config.timeout_s,
-                    stdout_path=tmp_dir / "stdout.txt", stderr_path=tmp_dir / "stderr.txt",
-                    on_progress=(lambda done: on_progress(min(done, total), total)) if on_progress else None)
-    base.wall_s = time.monotonic() - started
-    base.stdout_tail = (tmp_dir / "stdout.txt").read_text(encoding="utf-8", errors="replace")[-TAIL_CHARS:]
-    base.stderr_tail = (tmp_dir / "stderr.txt").read_text(encoding="utf-8", errors="replace")[-TAIL_CHARS:]
-    result = _driven_result(base, outcome, config.timeout_s, steps_total)
-    return script_run.finish(result, setup, outcome.result, config.timeout_s)
+    spec = ChildSpec(argv=[*isolation.prefix, sys.executable, "-m", script_run.LAUNCHER_MODULE], request=setup.request, plan=plan,
+                     cwd=setup.run_dir.cwd, env=env, preexec_fn=limit_memory(memory_limit_mb), timeout_s=config.timeout_s,
+                     stdout_path=tmp_dir / "stdout.txt", stderr_path=tmp_dir / "stderr.txt")
+    return spec, base, setup
 
 
 def _base_result(config, target: Backend, isolation, memory_limit_mb: int) -> RunResult:
@@ -179,6 +252,7 @@ def _driven_result(base: RunResult, outcome: DriveOutcome, timeout_s: float, ste
     if outcome.final is not None:
         base.extra["final"] = outcome.final
     done = len(outcome.inner_times_s)
+    base.interrupted = outcome.interrupted
     if outcome.failure is not None:
         base.failure = outcome.failure
     elif outcome.timed_out:
@@ -187,6 +261,9 @@ def _driven_result(base: RunResult, outcome: DriveOutcome, timeout_s: float, ste
     elif outcome.watch.protocol_violations:
         base.failure = Failure(kind=FailureKind.crashed, message="the run broke the harness's protocol: "
                                + "; ".join(outcome.watch.protocol_violations)[:1500], step=done)
+    elif outcome.interrupted:
+        base.failure = Failure(kind=FailureKind.crashed, message=f"interrupted after {done} of {steps_total} step(s): {outcome.interrupted}",
+                               step=done)
     elif outcome.result is None:
         base.failure = _classify_death(_ChildOutcome(outcome.returncode, False, base.stdout_tail, base.stderr_tail), done)
     return base

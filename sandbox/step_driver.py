@@ -1,4 +1,4 @@
-"""The parent side of parent-timed steps: drive a sandbox child command by command and time it.
+"""The parent side of parent-timed steps: drive sandbox children command by command and time them.
 
 Step times come from this process's clock (`time.perf_counter_ns`, out of the child's reach): a
 step starts when the command is written and ends when its reply is read, so whatever the child does
@@ -6,226 +6,161 @@ between the two is in the time, and nothing can be done ahead (the next batch in
 the child until it has answered). Around the timed steps the kernel's accounting of the child and
 its descendants (sandbox/proc_watch.py) gives the cores it used, raised priorities and processes
 that outlive it. The child's own step clock (`inner_s`) is kept for the gate's cross-check.
+
+Two ways to run a plan:
+
+- `drive`: one child, its steps back to back (measurements, the gate's sequential pairing);
+- `drive_pair`: two children alive at once, their timed steps alternated one by one (A, B, B, A,
+  A, B, ...: who goes first swaps every step), so that the two sides of a comparison are timed
+  milliseconds apart instead of seconds: the machine's slow drifts (frequency, a neighbour's load)
+  fall on both alike. Both start, import and build at the same time (half the wall time of two
+  children in a row). Between steps the parent reads both process trees: the CPU a child used
+  while the *other* was being timed (`idle_cpu_s`: work done to slow its partner shows there), and
+  what another process did to it (stopped it, lowered its priority, narrowed its cores:
+  `interference`).
 """
 
 from __future__ import annotations
 
-import math
-import os
-import subprocess
+import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from trainbridge.sandbox import proc_watch
-from trainbridge.sandbox.channel import Channel, ChannelClosed, ChannelProtocolError, ChannelTimeout
-from trainbridge.sandbox.results import ChildWatch, Failure, FailureKind
+from trainbridge.sandbox.driven_child import ChildSpec, ChildStopped, DrivenChild, DriveOutcome, StepPlan
 
-EXIT_GRACE_S = 5.0  # for a child whose channel closed without its closing message
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What the parent asks of a timed child. Indices are batch indices (`batch(index)`)."""
-
-    warmup: list[int]
-    measured: list[int]
-    cooldown: list[int] = field(default_factory=list)  # run and timed after the measured steps, not samples
-    probe: dict[str, Any] | None = None  # {"seed", "batch_indices", "grads_path"}: the numerics probe first
-    deltas_path: Path | None = None  # mark before the warm-up, report parameter changes after the cool-down
-
-    @classmethod
-    def sequential(cls, warmup: int, steps: int, cooldown: int = 1) -> "StepPlan":
-        return cls(warmup=list(range(warmup)), measured=list(range(warmup, warmup + steps)),
-                   cooldown=list(range(warmup + steps, warmup + steps + cooldown)))
+__all__ = ["ChildSpec", "DriveOutcome", "StepPlan", "drive", "drive_pair"]
 
 
-@dataclass
-class DriveOutcome:
-    failure: Failure | None = None
-    warmup_times_s: list[float] = field(default_factory=list)
-    step_times_s: list[float] = field(default_factory=list)
-    cooldown_times_s: list[float] = field(default_factory=list)
-    inner_times_s: list[float] = field(default_factory=list)  # the child's own clock, every timed step in order
-    clock_pairs: list[tuple[float, float]] = field(default_factory=list)  # per timed step: (reply read, parent clock; child clock at reply)
-    losses: list[float] = field(default_factory=list)  # warm-up and measured steps
-    cooldown_losses: list[float] = field(default_factory=list)
-    probe: dict[str, Any] | None = None
-    final: dict[str, Any] | None = None
-    result: dict[str, Any] | None = None  # the child's closing message (versions, peak memory)
-    watch: ChildWatch = field(default_factory=ChildWatch)
-    returncode: int | None = None
-    timed_out: bool = False
-
-
-class _ChildFailed(Exception):
-    def __init__(self, failure: Failure | None = None):
-        self.failure = failure
-
-
-def drive(
-    argv: list[str],
-    *,
-    request: dict[str, Any],
-    plan: StepPlan,
-    cwd: Path,
-    env: dict[str, str],
-    preexec_fn,
-    timeout_s: float,
-    stdout_path: Path,
-    stderr_path: Path,
-    on_progress: Callable[[int], None] | None = None,
-) -> DriveOutcome:
-    """Run the child `argv + ["--channel", "R,W"]` through `plan`; never raises for the child's faults."""
-    out = DriveOutcome()
-    cmd_r, cmd_w = os.pipe()
-    reply_r, reply_w = os.pipe()
+def drive(spec: ChildSpec, *, on_progress: Callable[[int], None] | None = None) -> DriveOutcome:
+    """Run one child through `spec.plan`; never raises for the child's faults."""
     reaper = proc_watch.become_subreaper()
-    base_nice = os.getpriority(os.PRIO_PROCESS, 0)
-    with stdout_path.open("wb") as stdout, stderr_path.open("wb") as stderr:
-        try:
-            child = subprocess.Popen([*argv, "--channel", f"{cmd_r},{reply_w}"], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                     stdout=stdout, stderr=stderr, pass_fds=(cmd_r, reply_w), start_new_session=True,
-                                     preexec_fn=preexec_fn)
-        except OSError as exc:
-            for fd in (cmd_r, cmd_w, reply_r, reply_w):
-                os.close(fd)
-            out.failure = Failure(kind=FailureKind.crashed, message=f"could not start {argv[0]}: {exc}")
-            return out
-        os.close(cmd_r)
-        os.close(reply_w)
-        channel = Channel(reply_r, cmd_w)
-        started = proc_watch.read_stat(child.pid)
-        since = started.start_ticks if started else None
-        deadline = time.monotonic() + timeout_s
-        watch = out.watch
-        try:
-            _run_plan(channel, child.pid, plan, request, out, deadline, on_progress, base_nice,
-                      os.getpid() if reaper else None, since)
-        except ChannelTimeout:
-            out.timed_out = True
-        except ChannelClosed:
-            pass  # died: classified from its exit status below
-        except ChannelProtocolError as exc:
-            watch.protocol_violations.append(f"the child wrote something that is not the harness's reply: {exc}")
-        except _ChildFailed as failed:
-            if failed.failure is not None:
-                out.failure = failed.failure
-        finally:
-            survivors = proc_watch.descendants(child.pid, reaper_pid=os.getpid() if reaper else None, since_ticks=since)
-            # the closing message is the last thing the harness sends: the interpreter's own shutdown (a second or
-            # more with torch loaded) is not waited for; a child that failed to send it gets a short grace
-            try:
-                child.wait(timeout=0 if out.result is not None or out.timed_out or watch.protocol_violations else EXIT_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
-            _kill_group(child)
-            survivors += [s for s in proc_watch.descendants(child.pid, reaper_pid=os.getpid() if reaper else None, since_ticks=since)
-                          if s.pid not in {t.pid for t in survivors}]
-            alive = [s for s in survivors if proc_watch.read_stat(s.pid) is not None and s.pgid != child.pid]
-            if alive:
-                watch.survivors = [f"pid {s.pid} (session {s.sid}, process group {s.pgid})" for s in alive]
-                proc_watch.kill_all(alive)
-            for stat in alive:  # orphans handed to us as subreaper are our children now: reap them
-                if stat.ppid == os.getpid():
-                    try:
-                        os.waitpid(stat.pid, 0)
-                    except ChildProcessError:
-                        pass
-            if reaper:
-                proc_watch.reap_orphans(since, exclude=child.pid)
-            channel.close()
-        out.returncode = child.returncode
-    return out
-
-
-def _kill_group(child: subprocess.Popen) -> None:
-    import signal
-
+    child = DrivenChild(spec, reaper=reaper)
+    if not child.start():
+        return child.out
+    deadline = time.monotonic() + spec.timeout_s
     try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    child.wait()
-
-
-def _expect(channel: Channel, op: str, deadline: float) -> dict[str, Any]:
-    reply = channel.recv(deadline)
-    if reply.get("op") == "result":  # the child failed while serving: its closing message says how
-        raise _ChildFailed(Failure.model_validate(reply["failure"]) if reply.get("failure") else None)
-    if reply.get("op") != op:
-        raise ChannelProtocolError(f"expected the reply to {op!r}, got {str(reply)[:200]}")
-    return reply
-
-
-def _run_plan(channel: Channel, pid: int, plan: StepPlan, request: dict[str, Any], out: DriveOutcome, deadline: float,
-              on_progress, base_nice: int, reaper_pid: int | None, since: int | None) -> None:
-    watch = out.watch
-    channel.send(request)
-    _expect(channel, "ready", deadline)
-    if plan.probe is not None:
-        channel.send({"op": "probe", **plan.probe})
-        out.probe = _expect(channel, "probe", deadline)["report"]
-    if plan.deltas_path is not None:
-        channel.send({"op": "mark"})
-        _expect(channel, "mark", deadline)
-    sample_before = proc_watch.sample_tree(pid, base_nice=base_nice, reaper_pid=reaper_pid, since_ticks=since)
-    phase_start = time.perf_counter_ns()
-    done = 0
-    phases = (("warmup", plan.warmup), ("measured", plan.measured), ("cooldown", plan.cooldown))
-    for phase, indices in phases:
-        for index in indices:
-            started = time.perf_counter_ns()
-            channel.send({"op": "step", "index": index})
-            reply = _expect(channel, "step", deadline)
-            elapsed = (time.perf_counter_ns() - started) / 1e9
-            if reply.get("index") != index:
-                raise ChannelProtocolError(f"asked for the step on batch {index}, the reply is for {reply.get('index')!r}")
-            loss, inner = float(reply["loss"]), float(reply.get("inner_s", math.nan))
-            out.inner_times_s.append(inner)
-            out.clock_pairs.append((started / 1e9 + elapsed, float(reply.get("clock", math.nan))))
-            if phase == "cooldown":
-                out.cooldown_times_s.append(elapsed)
-                out.cooldown_losses.append(loss)
-            else:
-                (out.warmup_times_s if phase == "warmup" else out.step_times_s).append(elapsed)
-                out.losses.append(loss)
-            done += 1
+        _setup([child], deadline)
+        before = child.sample()
+        phase_start = time.perf_counter_ns()
+        for done, (phase, index) in enumerate(spec.plan.timed(), start=1):
+            child.guarded(child.step, phase, index, deadline)
             if on_progress is not None:
                 on_progress(done)
-            if not math.isfinite(loss):
-                raise _ChildFailed(Failure(kind=FailureKind.nonfinite_loss, message=f"step {done - 1} returned a non-finite loss ({loss})",
-                                           step=done - 1))
-    wall_ns = time.perf_counter_ns() - phase_start
-    sample_after = proc_watch.sample_tree(pid, base_nice=base_nice, reaper_pid=reaper_pid, since_ticks=since)
-    if sample_before is not None and sample_after is not None and wall_ns > 0:
-        watch.cpu_s = (sample_after.cpu_ns - sample_before.cpu_ns) / 1e9
-        watch.wall_s = wall_ns / 1e9
-        watch.cores_used = watch.cpu_s / watch.wall_s
-        watch.max_threads = max(sample_before.child_threads, sample_after.child_threads)
-        watch.raised_priority = sample_after.raised_priority
-        watch.extra_processes = sorted(set(sample_before.descendants) | set(sample_after.descendants))
-        watch.helper_cpu_s = max(0.0, (sample_after.helper_cpu_ns - sample_before.helper_cpu_ns) / 1e9)
-    if plan.deltas_path is not None:
-        channel.send({"op": "final", "deltas_path": str(plan.deltas_path)})
-        out.final = _expect(channel, "final", deadline)
-    channel.send({"op": "exit"})
-    closing = channel.recv(deadline)
-    if closing.get("op") != "result":
-        raise ChannelProtocolError(f"expected the closing result, got {str(closing)[:200]}")
-    out.result = closing
-    watch.replaced = [str(name) for name in closing.get("replaced", [])]
-    if isinstance(closing.get("threads_in_use"), int):
-        watch.threads_in_use = closing["threads_in_use"]
-    if closing.get("failure"):
-        out.failure = Failure.model_validate(closing["failure"])
-    if channel.pending():
-        try:
-            extra = channel.recv(time.monotonic() + 0.5)
-            watch.protocol_violations.append(f"the child sent more than the harness's replies: {str(extra)[:200]}")
-        except ChannelClosed:
-            pass
-        except (ChannelTimeout, ChannelProtocolError) as exc:
-            watch.protocol_violations.append(f"the child wrote into the control channel: {exc}")
+        wall_ns = time.perf_counter_ns() - phase_start
+        after = child.sample()
+        _record_phase(child, before, after, own_cpu_ns=None, own_wall_ns=wall_ns)
+        child.guarded(child.finish, deadline)
+    except ChildStopped:
+        pass
+    finally:
+        _close([child])
+    return child.out
+
+
+def drive_pair(first: ChildSpec, second: ChildSpec, *, orphans_to: int = 1,
+               on_progress: Callable[[int], None] | None = None) -> tuple[DriveOutcome, DriveOutcome]:
+    """Run two children at once, their timed steps alternated (`first` leads the first step). Both
+    plans must have the same phases and lengths. A fault of one child ends both plans: the other's
+    outcome is marked `interrupted`. `orphans_to`: which child (0 or 1) escaped processes are
+    counted against (the gate: the candidate)."""
+    timed = first.plan.timed(), second.plan.timed()
+    if [p for p, _ in timed[0]] != [p for p, _ in timed[1]]:
+        raise ValueError("drive_pair needs two plans with the same warm-up, measured and cool-down lengths")
+    reaper = proc_watch.become_subreaper()
+    children = [DrivenChild(spec, reaper=reaper, claims_orphans=(i == orphans_to)) for i, spec in enumerate((first, second))]
+    # started in a random order: which one starts first (visible to both in /proc) says nothing about the round
+    launch = children if random.SystemRandom().random() < 0.5 else children[::-1]
+    started = [c for c in launch if c.start()]
+    if len(started) < 2:
+        for child in children:
+            if child in started:
+                child.out.interrupted = "the other side of the pair could not be started"
+        _close(started)
+        return children[0].out, children[1].out
+    a, b = children
+    a.siblings, b.siblings = {b.pid}, {a.pid}
+    deadline = time.monotonic() + max(first.timeout_s, second.timeout_s)
+    own_cpu, idle_cpu, own_wall, idle_wall = [0, 0], [0, 0], [0, 0], [0, 0]
+    try:
+        _setup(children, deadline)
+        samples = [c.sample() for c in children]
+        starts = [samples[0], samples[1]]
+        for c in children:
+            c.note_interference()
+        for k in range(len(timed[0])):
+            order = (0, 1) if k % 2 == 0 else (1, 0)
+            for who in order:
+                current = children[who]
+                phase, index = timed[who][k]
+                t0 = time.perf_counter_ns()
+                current.guarded(current.step, phase, index, deadline)
+                wall = time.perf_counter_ns() - t0
+                now = [c.sample() for c in children]
+                for i in (0, 1):
+                    if now[i] is not None and samples[i] is not None:
+                        delta = now[i].cpu_ns - samples[i].cpu_ns
+                        (own_cpu if i == who else idle_cpu)[i] += delta
+                    (own_wall if i == who else idle_wall)[i] += wall
+                    children[i].note_interference()
+                samples = now
+            if on_progress is not None:
+                on_progress(k + 1)
+        for i, child in enumerate(children):
+            _record_phase(child, starts[i], samples[i], own_cpu_ns=own_cpu[i], own_wall_ns=own_wall[i])
+            child.out.watch.idle_cpu_s = idle_cpu[i] / 1e9 if samples[i] is not None else None
+            child.out.watch.idle_wall_s = idle_wall[i] / 1e9
+        for child in children:
+            child.guarded(child.finish, deadline)
+    except ChildStopped as stopped:
+        for child in children:
+            if child is not stopped.child:
+                child.out.interrupted = "the other side of the pair failed, which ended this one's run"
+    finally:
+        _close(children)
+    return a.out, b.out
+
+
+def _setup(children: list[DrivenChild], deadline: float) -> None:
+    """The request, then (when planned) the probe and the mark: each command sent to every child
+    before any reply is awaited, so that several children prepare at the same time."""
+    for child in children:
+        child.guarded(child.send, child.spec.request)
+    for child in children:
+        child.guarded(child.expect, "ready", deadline)
+    plan_probe = [c for c in children if c.spec.plan.probe is not None]
+    for child in plan_probe:
+        child.guarded(child.send, {"op": "probe", **child.spec.plan.probe})
+    for child in plan_probe:
+        child.out.probe = child.guarded(child.expect, "probe", deadline)["report"]
+    marking = [c for c in children if c.spec.plan.deltas_path is not None]
+    for child in marking:
+        child.guarded(child.send, {"op": "mark"})
+    for child in marking:
+        child.guarded(child.expect, "mark", deadline)
+
+
+def _record_phase(child: DrivenChild, before, after, *, own_cpu_ns: int | None, own_wall_ns: int) -> None:
+    """The timed phase's figures: CPU over the child's own steps (`own_cpu_ns`; None: the whole phase)."""
+    watch = child.out.watch
+    if before is None or after is None or own_wall_ns <= 0:
+        return
+    cpu_ns = after.cpu_ns - before.cpu_ns if own_cpu_ns is None else own_cpu_ns
+    watch.cpu_s = cpu_ns / 1e9
+    watch.wall_s = own_wall_ns / 1e9
+    watch.cores_used = watch.cpu_s / watch.wall_s
+    watch.max_threads = max(before.child_threads, after.child_threads)
+    watch.raised_priority = after.raised_priority
+    watch.extra_processes = sorted(set(before.descendants) | set(after.descendants))
+    watch.helper_cpu_s = max(0.0, (after.helper_cpu_ns - before.helper_cpu_ns) / 1e9)
+
+
+def _close(children: list[DrivenChild]) -> None:
+    """Survivors are listed for every child before any is killed (a sibling's death must not hide
+    them); then each is closed, and the orphans handed to this process are reaped."""
+    survivors = [c.survivors() for c in children]
+    for child, found in zip(children, survivors):
+        child.close(found)
+    if any(c.reaper for c in children):
+        starts = [c.since for c in children if c.since is not None]
+        proc_watch.reap_orphans(min(starts) if starts else None, exclude={c.pid for c in children if c.popen is not None})

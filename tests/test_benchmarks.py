@@ -276,7 +276,7 @@ def test_calibration_blocks_are_decided_with_the_gates_two_looks():
     # 20 rounds: the 5%-gain condition (slow_0.05 as baseline, base as candidate) is 3% faster in the first
     # 10 rounds but three of them go the other way (inconclusive, promising); the next 10 are clean
     cand = [0.097] * 5 + [0.101] * 3 + [0.097] * 2 + [0.097] * 10
-    rounds = [{"base": [c], "base_again": [0.1], "slow_0.02": [0.1], "slow_0.05": [0.1], "slow_0.1": [0.2]} for c in cand]
+    rounds = [{"samples": {"base": [c], "base_again": [0.1], "slow_0.02": [0.1], "slow_0.05": [0.1], "slow_0.1": [0.2]}} for c in cand]
     args = SimpleNamespace(min_gain=0.01, confidence=0.95)
     two = calibration.decide_blocks(rounds, 20, args, [0.02, 0.05, 0.1], sliding=False, first=10)
     gain = two["-4.8% (5% gain)"][0]
@@ -287,6 +287,29 @@ def test_calibration_blocks_are_decided_with_the_gates_two_looks():
     assert one["-4.8% (5% gain)"][0]["outcome"] == "not_significant"
     rows = {r["condition"]: r for r in calibration.summarise(two)}
     assert rows["-4.8% (5% gain)"]["second_looks"] == 1.0 and rows["+10% slower"]["second_looks"] == 0.0
+
+
+def test_paired_calibration_rounds_pair_each_condition_within_its_own_pair_and_leave_busy_rounds_out():
+    from types import SimpleNamespace
+
+    calibration = bench("gate_calibration")
+    # paired rounds: base beside base_again in one pair, beside slow_0.05 in another; round 3's A/A pair ran on a
+    # busy machine (the baseline got 0.9 cores of 2) and its ratio is wild: the gate would measure it again
+    rounds = []
+    for i in range(10):
+        busy = i == 3
+        rounds.append({"pairs": {
+            "base_again": {"base": [0.1], "base_again": [0.3 if busy else 0.1], "cores": {"base": 0.9 if busy else 1.95, "base_again": 1.9}},
+            "slow_0.05": {"base": [0.1], "slow_0.05": [0.105], "cores": {"base": 1.95, "slow_0.05": 1.95}},
+        }})
+    args = SimpleNamespace(min_gain=0.01, confidence=0.95)
+    decided = calibration.decide_blocks(rounds, 10, args, [0.05], sliding=False, first=10)
+    aa = decided["A/A"][0]
+    assert aa["busy_rounds"] == [3] and aa["rounds_used"] == 9 and aa["ratio"] == pytest.approx(1.0)
+    slow = decided["+5% slower"][0]
+    assert slow["busy_rounds"] == [] and slow["ratio"] == pytest.approx(1.05) and slow["outcome"] == "slower"
+    gain = decided["-4.8% (5% gain)"][0]  # the same pair with roles swapped: slow_0.05's cores were recorded too
+    assert gain["ratio"] == pytest.approx(1 / 1.05) and gain["outcome"] == "accepted"
 
 
 @pytest.mark.slow

@@ -61,12 +61,12 @@ def test_planted_cheat_is_rejected_with_its_reason(tmp_path, cheat):
 
 
 def test_every_cheat_names_its_class_and_expectation():
-    assert len(CHEATS) >= 15
+    assert len(CHEATS) >= 20
     classes = {_header(c, "class") for c in CHEATS}
     for needed in ("clock rebinding (time)", "clock rebinding (the harness module)", "clock rebinding (torch functions around the timer)",
                    "mode sniffing (argv)", "mode sniffing (files)", "work skipped only when timed (call-stack sniffing)",
                    "work cached across steps", "thread-count games", "process-priority games", "writing to the harness's output",
-                   "reading the gate's seed"):
+                   "reading the gate's seed", "slowing the other side (paired rounds)"):
         assert needed in classes, needed
     for cheat in CHEATS:
         expect = _header(cheat, "expect")

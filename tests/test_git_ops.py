@@ -1,11 +1,11 @@
-"""Run and candidate git operations on real temporary repositories (no mocks of git)."""
+"""Run and candidate git operations on real temporary repositories (no mocks of git): the full cycle
+of a candidate from its worktree to the run branch or a pending branch. Helpers: tests/git_ops_support.py."""
 
 from __future__ import annotations
 
 import fcntl
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -17,228 +17,20 @@ from trainbridge.tools.git_ops import (
     CandidateNotFound,
     GitIdentity,
     NotFastForward,
-    RunWorkspace,
     UnsafeReason,
     UnsafeRepoState,
     WorkspaceBusy,
-    candidate_branch_name,
-    open_repo,
-    run_branch_name,
-    side_branch_name,
 )
-
-MODEL = "import torch\n\n\ndef rms(x):\n    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)\n"
-
-
-@pytest.fixture(autouse=True)
-def no_global_git_identity(tmp_path, monkeypatch):
-    """Like CI: no global or system git config, no identity; only the test repos' local config."""
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("GIT_CONFIG_GLOBAL", os.devnull)
-    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
-    for name in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY", "GIT_COMMON_DIR",
-                 "GIT_NAMESPACE", "GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL"):
-        monkeypatch.delenv(name, raising=False)
-
-
-def init_repo(root: Path) -> git.Repo:
-    repo = git.Repo.init(root, initial_branch="main")
-    with repo.config_writer() as config:
-        config.set_value("user", "name", "Alice")
-        config.set_value("user", "email", "alice@example.com")
-    (root / "model.py").write_text(MODEL)
-    (root / "README.md").write_text("# demo\nline two\n")
-    (root / "data.txt").write_text("1 2 3\n")
-    repo.git.add("-A")
-    repo.git.commit("-m", "initial")
-    return repo
-
-
-def try_git(repo: git.Repo, *args: str) -> int:
-    """Run a git command expected to stop half-way (conflict); returns its exit status."""
-    return repo.git.execute(["git", *args], with_exceptions=False, with_extended_output=True)[0]
-
-
-@pytest.fixture
-def user(tmp_path) -> git.Repo:
-    """A user's checkout with another branch, a staged change, an unstaged change and an untracked file."""
-    repo = init_repo(tmp_path / "user")
-    root = Path(repo.working_tree_dir)
-    repo.git.switch("-c", "feature")
-    (root / "README.md").write_text("# demo\nfeature line\n")
-    repo.git.commit("-am", "feature work")
-    repo.git.switch("main")
-    (root / "data.txt").write_text("1 2 3 4\n")
-    repo.git.add("data.txt")
-    (root / "model.py").write_text(MODEL + "# my uncommitted note\n")
-    (root / "notes.txt").write_text("untracked scratch\n")
-    stamp = time.time() + 5  # stale stat data: any command that refreshes the index would rewrite it
-    os.utime(root / "README.md", (stamp, stamp))
-    return repo
-
-
-def snapshot(repo: git.Repo) -> dict:
-    root, gitdir = Path(repo.working_tree_dir), Path(repo.git_dir)
-    files = {}
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root)
-        if path.is_file() and rel.parts[0] != ".git":
-            files[rel.as_posix()] = (path.read_bytes(), path.stat().st_mtime_ns)
-    refs = [line for line in repo.git.for_each_ref("--format=%(refname) %(objectname)").splitlines()
-            if not line.startswith("refs/heads/trainbridge/")]
-    return {"files": files, "refs": refs, **{name: (gitdir / name).read_bytes() for name in ("index", "HEAD", "config")}}
-
-
-def workspace(repo: git.Repo, tmp_path: Path, run_id: str = "run1", **options) -> RunWorkspace:
-    return RunWorkspace.create_run(open_repo(repo.working_tree_dir), run_id, workspace_root=tmp_path / "tb" / run_id,
-                                   **options)
-
-
-def edit(cand_path: Path, old: str, new: str, file: str = "model.py") -> None:
-    target = cand_path / file
-    target.write_text(target.read_text().replace(old, new))
-
-
-def commits_between(repo: git.Repo, base: str, head: str) -> list[git.Commit]:
-    return list(repo.iter_commits(f"{base}..{head}"))
-
-
-def branches(repo: git.Repo) -> set[str]:
-    return {head.name for head in repo.heads}
-
-
-# ---------------------------------------------------------------- opening the user's repository
-
-
-def test_snapshot_notices_an_index_refresh(user, tmp_path):
-    """The byte-identity checks below can fail: a plain `git status` rewrites this fixture's index."""
-    copy = git.Repo(shutil.copytree(user.working_tree_dir, tmp_path / "copy", symlinks=True))
-    before = snapshot(copy)
-    subprocess.run(["git", "status"], cwd=copy.working_tree_dir, check=True, capture_output=True)
-    assert snapshot(copy)["index"] != before["index"]
-
-
-def test_open_repo_notes_uncommitted_changes_without_touching_them(user):
-    before = snapshot(user)
-    info = open_repo(user.working_tree_dir)
-    assert info.head_sha == user.head.commit.hexsha and info.branch == "main"
-    note = " ".join(info.notes)
-    assert "2 changed, 1 untracked" in note and "not part of the run" in note and info.head_sha[:12] in note
-    assert snapshot(user) == before
-
-
-def test_open_repo_clean_detached_and_from_a_subfolder(tmp_path):
-    repo = init_repo(tmp_path / "clean")
-    (Path(repo.working_tree_dir) / "pkg").mkdir()
-    assert open_repo(Path(repo.working_tree_dir) / "pkg").notes == []
-    repo.git.switch("--detach", "HEAD")
-    info = open_repo(repo.working_tree_dir)
-    assert info.branch is None and "detached" in info.notes[0]
-
-
-def _bare(tmp_path):
-    return git.Repo.init(tmp_path / "bare.git", bare=True).git_dir
-
-
-def _empty(tmp_path):
-    return git.Repo.init(tmp_path / "empty").working_tree_dir
-
-
-def _orphan(tmp_path):
-    repo = init_repo(tmp_path / "orphan")
-    repo.git.switch("--orphan", "fresh")
-    return repo.working_tree_dir
-
-
-def _plain_dir(tmp_path):
-    (tmp_path / "plain").mkdir()
-    return tmp_path / "plain"
-
-
-@pytest.mark.parametrize(("make", "kind", "says"), [
-    (_plain_dir, UnsafeReason.not_a_repo, "git init"),
-    (_bare, UnsafeReason.bare, "git clone"),
-    (_empty, UnsafeReason.no_commits, "no commits yet"),
-    (_orphan, UnsafeReason.no_commits, "'fresh' has no commits yet"),
-])
-def test_open_repo_refuses_repositories_without_a_base(tmp_path, make, kind, says):
-    with pytest.raises(UnsafeRepoState) as caught:
-        open_repo(make(tmp_path))
-    assert caught.value.kind == kind and says in str(caught.value)
-
-
-def _conflicting(tmp_path) -> git.Repo:
-    """main and `other` both change README's second line."""
-    repo = init_repo(tmp_path / "conflict")
-    root = Path(repo.working_tree_dir)
-    repo.git.switch("-c", "other")
-    (root / "README.md").write_text("# demo\nother\n")
-    repo.git.commit("-am", "other")
-    repo.git.switch("main")
-    (root / "README.md").write_text("# demo\nmain\n")
-    repo.git.commit("-am", "main")
-    return repo
-
-
-def _am(repo: git.Repo) -> int:
-    patch = Path(repo.working_tree_dir).parent / "other.patch"
-    patch.write_text(repo.git.format_patch("-1", "other", "--stdout") + "\n")
-    return try_git(repo, "am", str(patch))
-
-
-def _revert(repo: git.Repo) -> int:
-    (Path(repo.working_tree_dir) / "README.md").write_text("# demo\nmain again\n")
-    repo.git.commit("-am", "again")
-    return try_git(repo, "revert", "--no-edit", "HEAD~1")
-
-
-@pytest.mark.parametrize(("start", "kind", "remedy"), [
-    (lambda r: try_git(r, "merge", "other"), UnsafeReason.merging, "git merge --abort"),
-    (lambda r: try_git(r, "rebase", "--merge", "other"), UnsafeReason.rebasing, "git rebase --abort"),
-    (lambda r: try_git(r, "rebase", "--apply", "other"), UnsafeReason.rebasing, "git rebase --abort"),
-    (_am, UnsafeReason.applying_mailbox, "git am --abort"),
-    (lambda r: try_git(r, "cherry-pick", "other"), UnsafeReason.cherry_picking, "git cherry-pick --abort"),
-    (_revert, UnsafeReason.reverting, "git revert --abort"),
-    (lambda r: try_git(r, "bisect", "start"), UnsafeReason.bisecting, "git bisect reset"),
-], ids=["merge", "rebase-merge", "rebase-apply", "am", "cherry-pick", "revert", "bisect"])
-def test_open_repo_refuses_operations_in_progress(tmp_path, start, kind, remedy):
-    repo = _conflicting(tmp_path)
-    open_repo(repo.working_tree_dir)  # fine before
-    start(repo)
-    with pytest.raises(UnsafeRepoState) as caught:
-        open_repo(repo.working_tree_dir)
-    assert caught.value.kind == kind and remedy in caught.value.remedy
-    assert "in progress" in caught.value.reason
-
-
-def test_git_location_variables_in_the_environment_are_refused(user, monkeypatch):
-    monkeypatch.setenv("GIT_INDEX_FILE", str(Path(user.git_dir) / "index"))
-    with pytest.raises(UnsafeRepoState) as caught:
-        open_repo(user.working_tree_dir)
-    assert caught.value.kind == UnsafeReason.git_environment and "Unset GIT_INDEX_FILE" in str(caught.value)
-
-
-def test_workspace_inside_the_checkout_is_refused(user):
-    with pytest.raises(UnsafeRepoState) as caught:
-        RunWorkspace.create_run(open_repo(user.working_tree_dir), "run1",
-                                workspace_root=Path(user.working_tree_dir) / ".trainbridge")
-    assert caught.value.kind == UnsafeReason.workspace_location
-    assert not (Path(user.working_tree_dir) / ".trainbridge").exists()
-
-
-def test_branch_names_never_collide_as_ref_paths():
-    names = [run_branch_name("r1"), candidate_branch_name("r1", "rms.model-1"), side_branch_name("r1", "pending-npu")]
-    assert names == ["trainbridge/r1", "trainbridge/r1.cand/rms.model-1", "trainbridge/r1.pending-npu"]
-    for bad in ("a.b", "a/b", "-x", ""):
-        with pytest.raises(ValueError):
-            run_branch_name(bad)
-    for bad in ("x..y", "x.lock", "a/b"):
-        with pytest.raises(ValueError):
-            candidate_branch_name("r1", bad)
-    with pytest.raises(ValueError):
-        side_branch_name("r1", "cand")
+from trainbridge.tests.git_ops_support import (  # noqa: F401 (fixtures)
+    MODEL,
+    branches,
+    commits_between,
+    edit,
+    no_global_git_identity,
+    snapshot,
+    user,
+    workspace,
+)
 
 
 # ---------------------------------------------------------------- the full cycle
@@ -423,7 +215,7 @@ def test_a_stale_index_lock_in_our_worktree_is_cleared_but_not_the_users(user, t
     ws = workspace(user, tmp_path, stale_lock_age_s=1.0)
     cand = ws.start_candidate("c1")
     edit(cand.path, "1e-6", "1e-5")
-    admin = Path(ws._admin_dir(cand.path))
+    admin = Path(ws.folders.admin_dir(cand.path))
     (admin / "index.lock").write_text("")  # git killed during `git add`
     old = time.time() - 60
     os.utime(admin / "index.lock", (old, old))
@@ -484,7 +276,7 @@ def test_push_that_conflicts_is_reported_with_the_paths(user, tmp_path):
     assert caught.value.paths == ["model.py"]
     assert "trainbridge/run1.cand/b" in branches(user)
     side = ws.root / "branches" / "pending-npu"
-    assert not (Path(ws._admin_dir(side)) / "CHERRY_PICK_HEAD").exists()
+    assert not (Path(ws.folders.admin_dir(side)) / "CHERRY_PICK_HEAD").exists()
 
 
 def test_hooks_do_not_run_and_the_identity_is_configurable(user, tmp_path):
@@ -526,7 +318,7 @@ def test_candidate_diff_against_the_run_head(user, tmp_path):
     assert "--- a/model.py\n+++ b/model.py\n" in uncommitted and "+    return" in uncommitted and "1e-5" in uncommitted
     ws.commit_candidate("c1", "eps")
     assert ws.candidate_diff("c1") == uncommitted
-    assert not any(p.name.endswith(".index") for p in Path(ws._admin_dir(cand.path)).iterdir()
+    assert not any(p.name.endswith(".index") for p in Path(ws.folders.admin_dir(cand.path)).iterdir()
                    if p.name != "index")
 
 
@@ -552,106 +344,3 @@ def test_worktrees_removed_by_cleanup_come_back_for_the_next_operation(user, tmp
     assert not cand.path.exists() and "trainbridge/run1.cand/c1" in branches(user)
     assert ws.commit_candidate("c1", "eps").sha == made.sha and cand.path.exists()
     assert ws.accept_candidate("c1").sha == made.sha
-
-
-class _Killed(BaseException):
-    """Stands in for SIGKILL between two git commands: nothing of ours catches it, the flock is released."""
-
-
-def _kill_after(monkeypatch, calls: int) -> list[int]:
-    from trainbridge.tools import git_runner
-
-    real, count = git_runner._git_status, [0]
-
-    def counting(*args, **kwargs):
-        result = real(*args, **kwargs)
-        count[0] += 1
-        if count[0] == calls:
-            raise _Killed
-        return result
-
-    monkeypatch.setattr(git_runner, "_git_status", counting)  # the one place a git process starts
-    return count
-
-
-@pytest.mark.parametrize("operation", ["commit", "accept", "push"])
-def test_killed_between_any_two_git_commands_the_retry_completes_without_duplicates(user, tmp_path, monkeypatch,
-                                                                                   operation):
-    ws = workspace(user, tmp_path)
-    calls = None
-    for kill_at in range(1, 100):
-        name = f"c{kill_at}"
-        run_head = ws.head_sha
-        cand = ws.start_candidate(name)
-        (cand.path / f"{name}.py").write_text(f"N = {kill_at}\n")
-        if operation != "commit":
-            ws.commit_candidate(name, name)
-        do = {"commit": lambda: ws.commit_candidate(name, name), "accept": lambda: ws.accept_candidate(name),
-              "push": lambda: ws.push_to_branch(name, "pending")}[operation]
-        with monkeypatch.context() as patch:
-            count = _kill_after(patch, kill_at)
-            try:
-                do()
-                calls = count[0]
-            except _Killed:
-                pass
-        retried = do()
-        if operation == "commit":
-            assert retried.sha is not None and do().sha == retried.sha
-            mine = commits_between(user, run_head, candidate_branch_name("run1", name))
-            ws.accept_candidate(name)
-        elif operation == "accept":
-            assert retried.sha == ws.head_sha and (ws.worktree / f"{name}.py").exists()
-            assert git.Repo(ws.worktree).git.status("--porcelain") == ""
-            mine = commits_between(user, run_head, "trainbridge/run1")
-        else:
-            mine = [c for c in commits_between(user, run_head, "trainbridge/run1.pending")
-                    if c.trailers_dict["TrainBridge-Candidate"] == [name]]
-            assert retried.sha == mine[0].hexsha and candidate_branch_name("run1", name) not in branches(user)
-        assert len(mine) == 1 and mine[0].trailers_dict["TrainBridge-Candidate"] == [name]
-        assert set(mine[0].stats.files) == {f"{name}.py"}
-        if calls is not None:
-            break
-    assert calls is not None and calls >= 5, "every kill point was exercised"
-
-
-def test_the_users_git_config_cannot_change_what_we_commit_or_diff(user, tmp_path):
-    with user.config_writer() as config:
-        config.set_value("commit", "gpgsign", "true")
-        config.set_value("gpg", "program", "/bin/false")
-        config.set_value("commit", "cleanup", "strip")
-        config.set_value("diff", "noprefix", "true")
-        config.set_value("diff", "external", "/bin/false")
-        config.set_value("color", "ui", "always")
-        config.set_value("log", "showSignature", "true")
-    before = snapshot(user)
-    ws = workspace(user, tmp_path)
-    cand = ws.start_candidate("c1")
-    edit(cand.path, "1e-6", "1e-5")
-    (cand.path / "données.py").write_text("X = 1\n")
-    made = ws.commit_candidate("c1", "# not a comment: keep me")
-    assert made.files == ["données.py", "model.py"]
-    assert user.commit(made.sha).message.startswith("# not a comment: keep me")
-    diff = ws.candidate_diff("c1")
-    assert "--- a/model.py\n+++ b/model.py\n" in diff and "\x1b[" not in diff
-    assert ws.accept_candidate("c1").sha == made.sha
-    assert snapshot(user) == before
-
-
-def test_half_made_or_foreign_worktree_folders(user, tmp_path):
-    ws = workspace(user, tmp_path)
-    path = ws.root / "candidates" / "c1"
-    user.git.branch("trainbridge/run1.cand/c1", ws.head_sha)
-    user.git.worktree("add", "--lock", "--reason", "initializing", str(path), "trainbridge/run1.cand/c1")
-    (path / "model.py").write_text("half checked out\n")  # killed during `git worktree add`
-    cand = ws.start_candidate("c1")
-    assert (cand.path / "model.py").read_text() == MODEL
-    assert "locked" not in user.git.worktree("list", "--porcelain").split(str(path))[1].split("\n\n")[0]
-    foreign = ws.root / "candidates" / "c2"
-    foreign.mkdir()
-    (foreign / "precious.txt").write_text("not ours\n")
-    with pytest.raises(UnsafeRepoState) as caught:
-        ws.start_candidate("c2")
-    assert caught.value.kind == UnsafeReason.workspace_location and (foreign / "precious.txt").exists()
-    (foreign / "precious.txt").unlink()  # an empty folder is fine
-    assert ws.start_candidate("c2").path.exists()

@@ -1,256 +1,34 @@
-"""The knowledge base: recipe schema, offline embeddings, Chroma store, ranking, JSONL exchange, CLI.
+"""The knowledge base's store: seeds, recipes and outcomes in Chroma, search and ranking, JSONL exchange.
 
-Everything runs against real Chroma: embedded persistent directories under tmp_path, and one test
-against a real `chroma run` server on a loopback port.
+Everything runs against real Chroma: embedded persistent directories under tmp_path.
+Shared records and fixtures: tests/knowledge_support.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
 import textwrap
-import time
-import urllib.request
-from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
-from typer.testing import CliRunner
 
 from trainbridge.agents.retrieval.rank import rank_recipes
-from trainbridge.knowledge.cli import kb_app
-from trainbridge.knowledge.embeddings import HashedCodeEmbedding, embed_text
 from trainbridge.knowledge.jsonl import KBFileError
-from trainbridge.knowledge.schema import (
-    Outcome,
-    Recipe,
-    RecipeFileError,
-    load_recipe_dir,
-    load_recipe_file,
-    parse_recipe,
-)
+from trainbridge.knowledge.schema import load_recipe_dir, parse_recipe
 from trainbridge.knowledge.store import SEED_DIR, KnowledgeBase, KnowledgeBaseError, default_kb_dir
-from trainbridge.records import Evidence, Intent, IntentSource, SourceSpan
-
-PYTHON = sys.executable
-CHROMA = Path(sys.executable).parent / "chroma"
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
-
-RMSNORM_EVIDENCE = Evidence(
-    reference_kernels=1,
-    target_ops=6,
-    kernels=["cpp_fused_add_mean_mul_pow_rsqrt_0"],
-    target_op_names=["aten::pow", "aten::mean", "aten::add", "aten::rsqrt", "aten::mul", "aten::mul"],
+from trainbridge.tests.knowledge_support import (  # noqa: F401 (fixtures)
+    ADAMW_EVIDENCE,
+    GELU_EVIDENCE,
+    PYTHON,
+    RMSNORM_EVIDENCE,
+    intent,
+    kb,
+    outcome,
+    seed_recipe,
+    seeds,
 )
-GELU_EVIDENCE = Evidence(
-    reference_kernels=1,
-    target_ops=7,
-    kernels=["cpp_fused_add_mul_pow_tanh_1"],
-    target_op_names=["aten::mul", "aten::pow", "aten::mul", "aten::add", "aten::mul", "aten::tanh", "aten::add"],
-)
-ADAMW_EVIDENCE = Evidence(
-    target_ops=120,
-    target_op_names=["aten::mul_", "aten::add_", "aten::lerp_", "aten::addcmul_", "aten::sqrt", "aten::div", "aten::addcdiv_"],
-    notes=["Optimizer.step#AdamW.step"],
-)
-
-
-def intent(category: str, evidence: Evidence, line: int = 10) -> Intent:
-    spans = [SourceSpan(file="model.py", line_start=line, line_end=line + 2)]
-    return Intent(
-        id=Intent.make_id(category, spans),
-        category=category,
-        spans=spans,
-        evidence=evidence,
-        confidence=0.9,
-        source=IntentSource.runtime,
-    )
-
-
-def outcome(recipe_id: str | None, verdict: str, *, category="rmsnorm", evidence=RMSNORM_EVIDENCE, backend="npu",
-            ratio=None, minutes=0, run="run-1") -> Outcome:
-    return Outcome(
-        run_id=run,
-        intent_id=f"{category}-{minutes}",
-        category=category,
-        evidence=evidence,
-        recipe_id=recipe_id,
-        diff=f"--- a/model.py\n+++ b/model.py\n@@ -1 +1 @@\n-old {minutes}\n+new\n",
-        verdict=verdict,
-        ratio=ratio,
-        ratio_ci=(ratio * 0.98, ratio * 1.02) if ratio else None,
-        backend=backend,
-        versions={"torch": "2.13.0"},
-        timestamp=T0 + timedelta(minutes=minutes),
-    )
-
-
-def seed_recipe(recipe_id: str) -> dict:
-    return yaml.safe_load((SEED_DIR / f"{recipe_id}.yaml").read_text())
-
-
-# The seeds these tests reason about; other seed recipes may ship beside them, so the tests that
-# depend on the exact recipe set use a folder holding only these.
-OWN_SEEDS = ["adamw-foreach-to-fused", "adamw-npu-fused", "gelu-tanh-functional", "rmsnorm-f-rms-norm",
-             "rmsnorm-npu-rms-norm"]
-
-
-@pytest.fixture
-def seeds(tmp_path):
-    folder = tmp_path / "seeds"
-    folder.mkdir()
-    for rid in OWN_SEEDS:
-        (folder / f"{rid}.yaml").write_text((SEED_DIR / f"{rid}.yaml").read_text())
-    return folder
-
-
-@pytest.fixture
-def kb(tmp_path, seeds):
-    with KnowledgeBase(tmp_path / "kb", seed_dir=seeds) as base:
-        yield base
-
-
-# --------------------------------------------------------------------------------------------
-# schema
-
-
-def test_seed_recipes_are_valid_and_cover_cpu_and_npu():
-    recipes = load_recipe_dir(SEED_DIR)
-    ids = [r.id for r in recipes]
-    assert len(ids) == len(set(ids)) == len(list(SEED_DIR.glob("*.yaml"))) >= 4
-    npu = [r for r in recipes if r.targets == ["npu"]]
-    assert any("import torch_npu" in r.imports for r in npu)
-    assert all(r.provenance.kind == "seed" and r.stats.tried == 0 for r in recipes)
-    rms = next(r for r in recipes if r.id == "rmsnorm-npu-rms-norm")
-    assert rms.match.kind == "semantic" and "npu_rms_norm" in rms.replacement
-    assert rms.numerics.class_ == "tolerance" and rms.numerics.rtol == 1e-3
-
-
-@pytest.mark.parametrize(
-    "edit, message",
-    [
-        (lambda d: d["numerics"].update(rtol="abc"), "rmsnorm.yaml: numerics.rtol: Input should be a valid number"),
-        (lambda d: d.update(stat={}), "rmsnorm.yaml: stat: Extra inputs are not permitted"),
-        (lambda d: d.update(targets=["tpu"]), "rmsnorm.yaml: targets.0: Input should be 'cpu', 'cuda' or 'npu'"),
-        (lambda d: d.update(category="rms"), "rmsnorm.yaml: category: Input should be"),
-        (lambda d: d.update(id="Bad Id"), "rmsnorm.yaml: id: String should match pattern"),
-        (lambda d: d["numerics"].pop("atol"), "rmsnorm.yaml: numerics: class 'tolerance' needs rtol and atol"),
-        (lambda d: d.update(numerics={"class": "exact", "rtol": 1e-3}), "numerics: class 'exact' takes no rtol"),
-        (lambda d: d.update(replacement="torch_npu.npu_rms_norm($x, $gamma)[0]"),
-         "rmsnorm.yaml: replacement uses placeholders the match does not bind: ['gamma']"),
-        (lambda d: d.update(match={"kind": "regex", "params": {}}), "match: unknown match kind 'regex'"),
-        (lambda d: d.update(match={"kind": "op_sequence", "params": {"regex": "pow-(mean"}}),
-         "match: params.regex does not compile"),
-        (lambda d: d.update(imports=["torch_npu"]), "imports: not an import line: 'torch_npu'"),
-        (lambda d: d["preconditions"].append({"kind": "dtype", "subject": "x", "op": "in", "value": "bf16"}),
-         "preconditions.4: op 'in' needs a list value"),
-        (lambda d: d.update(stats={"tried": 1, "accepted": 1, "rejected": 1}),
-         "stats: accepted + rejected cannot exceed tried"),
-    ],
-)
-def test_malformed_recipes_are_rejected_naming_file_and_field(tmp_path, edit, message):
-    data = seed_recipe("rmsnorm-npu-rms-norm")
-    edit(data)
-    path = tmp_path / "rmsnorm.yaml"
-    path.write_text(yaml.safe_dump(data))
-    with pytest.raises(RecipeFileError) as exc:
-        load_recipe_file(path)
-    assert message in str(exc.value)
-
-
-def test_unreadable_and_non_mapping_recipe_files(tmp_path):
-    (tmp_path / "broken.yaml").write_text("id: [unclosed\n")
-    with pytest.raises(RecipeFileError, match=r"^broken.yaml: not valid YAML"):
-        load_recipe_file(tmp_path / "broken.yaml")
-    (tmp_path / "list.yaml").write_text("- a\n- b\n")
-    with pytest.raises(RecipeFileError, match="list.yaml: a recipe must be a mapping of fields, got list"):
-        load_recipe_file(tmp_path / "list.yaml")
-    with pytest.raises(RecipeFileError, match="missing.yaml: cannot read recipe file"):
-        load_recipe_file(tmp_path / "missing.yaml")
-    data = seed_recipe("gelu-tanh-functional")
-    (tmp_path / "a.yaml").write_text(yaml.safe_dump(data))
-    (tmp_path / "b.yaml").write_text(yaml.safe_dump(data))
-    with pytest.raises(RecipeFileError, match="b.yaml: id: 'gelu-tanh-functional' is already used by a.yaml"):
-        load_recipe_dir(tmp_path)
-
-
-def test_recipe_round_trips_through_json_with_the_class_alias():
-    recipe = parse_recipe(seed_recipe("adamw-foreach-to-fused"))
-    dumped = json.loads(recipe.model_dump_json())
-    assert dumped["numerics"]["class"] == "tolerance" and "class_" not in dumped["numerics"]
-    assert Recipe.model_validate_json(recipe.model_dump_json()) == recipe
-    assert recipe.match.bound_names() == {"args", "func"}
-
-
-def test_outcome_ids_are_stable_and_content_derived():
-    a, b = outcome("r", "accepted", ratio=0.9), outcome("r", "accepted", ratio=0.9)
-    assert a.id == b.id and a.id.startswith("outcome-")
-    assert outcome("r", "accepted", ratio=0.8).id != a.id
-    assert Outcome.model_validate_json(a.model_dump_json()) == a
-    assert a.accepted and not outcome("r", "numerics mismatch").accepted
-    with pytest.raises(ValueError, match="ratio_ci must be"):
-        Outcome(run_id="r", intent_id="i", category="gelu", verdict="accepted", backend="cpu", ratio_ci=(2.0, 1.0))
-
-
-# --------------------------------------------------------------------------------------------
-# embeddings
-
-
-TEXTS = [
-    "x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)",
-    "cpp_fused_add_mean_mul_pow_rsqrt_0 aten::pow aten::mean",
-    "",
-    "torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=False)",
-]
-
-
-def test_embeddings_are_identical_across_processes_with_different_hash_seeds():
-    script = textwrap.dedent(
-        f"""
-        import json, sys
-        from trainbridge.knowledge.embeddings import embed_text
-        print(json.dumps([embed_text(t).tolist() for t in {TEXTS!r}]))
-        """
-    )
-    runs = []
-    for seed in ("1", "2"):
-        env = dict(os.environ, PYTHONHASHSEED=seed)
-        done = subprocess.run([PYTHON, "-c", script], capture_output=True, text=True, env=env, timeout=120, check=True)
-        runs.append(json.loads(done.stdout))
-    here = [embed_text(t).tolist() for t in TEXTS]
-    assert runs[0] == runs[1] == here
-
-
-def test_embeddings_are_unit_vectors_that_match_code_to_kernel_names():
-    vecs = {t: embed_text(t) for t in TEXTS}
-    for vec in vecs.values():
-        assert vec.shape == (256,) and abs(float(np.linalg.norm(vec)) - 1.0) < 1e-5
-    kernel = embed_text("cpp_fused_add_mean_mul_pow_rsqrt_0")
-    rms_code, adamw_code = embed_text(TEXTS[0]), embed_text(TEXTS[3])
-    assert float(kernel @ rms_code) > float(kernel @ adamw_code) + 0.2
-    # x ** 2, x.pow(2), aten::pow and x.square() name the same op
-    assert float(embed_text("x ** 2") @ embed_text("aten::pow")) > 0.99
-    assert float(embed_text("x.square()") @ embed_text("x.pow(2)")) > 0.99
-
-
-def test_embedding_function_implements_chroma_protocol():
-    ef = HashedCodeEmbedding(dims=64)
-    assert HashedCodeEmbedding.name() == "trainbridge-hashed-code" and not ef.is_legacy()
-    rebuilt = HashedCodeEmbedding.build_from_config(ef.get_config())
-    assert rebuilt == ef and rebuilt.dims == 64
-    assert np.allclose(ef(["a b c"])[0], ef.embed_query(["a b c"])[0])
-    assert len(ef(["x.pow(2)", "gelu"])) == 2 and ef(["x"])[0].shape == (64,)
-    with pytest.raises(ValueError, match="feature version 99"):
-        HashedCodeEmbedding.build_from_config({"dims": 64, "feature_version": 99})
-    with pytest.raises(ValueError, match="dims must be an integer >= 16"):
-        HashedCodeEmbedding(dims=4)
-    assert ef.default_space() == "cosine"
 
 
 # --------------------------------------------------------------------------------------------
@@ -441,8 +219,8 @@ def test_export_import_round_trips_exactly_and_is_idempotent(tmp_path):
         ])
         a.export_jsonl(tmp_path / "a.jsonl")
         recipes_a, outcomes_a = a.list_recipes(), a.all_outcomes()
-    with KnowledgeBase(tmp_path / "b") as b:
-        b._batch = 2  # exercise the batching that keeps every add under Chroma's max batch size
+    # batches of 2 exercise the batching that keeps every add under Chroma's max batch size
+    with KnowledgeBase(tmp_path / "b", batch_size=2) as b:
         report = b.import_jsonl(tmp_path / "a.jsonl")
         assert report.outcomes_added == 4 and report.recipes_added == 1  # the seeds were already there
         assert b.list_recipes() == recipes_a and b.all_outcomes() == outcomes_a
@@ -470,134 +248,3 @@ def test_import_rejects_a_bad_line_and_imports_nothing(kb, tmp_path):
     path.write_text('{"type": "header", "format": "other", "version": 1}\n')
     with pytest.raises(KBFileError, match="bad.jsonl:1: expected format 'trainbridge-kb'"):
         kb.import_jsonl(path)
-
-
-# --------------------------------------------------------------------------------------------
-# CLI
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(kb_app, list(args), env={"COLUMNS": "200"})
-
-
-def test_cli_commands(tmp_path):
-    kbdir = str(tmp_path / "kb")
-    listed = invoke("list", "--kb-dir", kbdir, "--target", "npu")
-    assert listed.exit_code == 0, listed.output
-    assert "rmsnorm-npu-rms-norm" in listed.output and "rmsnorm-f-rms-norm" not in listed.output
-
-    shown = invoke("show", "rmsnorm-npu-rms-norm", "--kb-dir", kbdir)
-    assert shown.exit_code == 0 and "npu_rms_norm" in shown.output and "pitfall: Returns (y, rstd)" in shown.output
-    as_json = invoke("show", "gelu-tanh-functional", "--json", "--kb-dir", kbdir)
-    assert Recipe.model_validate_json(as_json.output).id == "gelu-tanh-functional"
-    missing = invoke("show", "nope", "--kb-dir", kbdir)
-    assert missing.exit_code == 1 and "no recipe 'nope'" in missing.output
-
-    found = invoke("search", "cpp_fused_add_mul_pow_tanh_0", "-n", "3", "--kb-dir", kbdir)
-    assert found.exit_code == 0 and "gelu-tanh-functional" in found.output
-
-    data = seed_recipe("gelu-tanh-functional")
-    (tmp_path / "mine.yaml").write_text(yaml.safe_dump({**data, "id": "gelu-mine", "provenance": {"kind": "learned"}}))
-    added = invoke("add", str(tmp_path / "mine.yaml"), "--kb-dir", kbdir)
-    assert added.exit_code == 0 and "added gelu-mine" in added.output
-    assert "updated gelu-mine" in invoke("add", str(tmp_path / "mine.yaml"), "--kb-dir", kbdir).output
-    data["numerics"]["rtol"] = "loose"
-    (tmp_path / "rmsnorm.yaml").write_text(yaml.safe_dump(data))
-    rejected = invoke("add", str(tmp_path / "rmsnorm.yaml"), "--kb-dir", kbdir)
-    assert rejected.exit_code == 2 and "rmsnorm.yaml: numerics.rtol: Input should be a valid number" in rejected.output
-
-    exported = invoke("export", str(tmp_path / "kb.jsonl"), "--kb-dir", kbdir)
-    n_seeds = len(list(SEED_DIR.glob("*.yaml")))
-    assert exported.exit_code == 0 and f"exported {n_seeds + 1} recipe(s)" in exported.output
-    imported = invoke("import", str(tmp_path / "kb.jsonl"), "--kb-dir", str(tmp_path / "other"))
-    assert imported.exit_code == 0 and "imported 1 recipe(s) and 0 outcome(s)" in imported.output
-
-    stats = invoke("stats", "--json", "--kb-dir", str(tmp_path / "other"))
-    assert json.loads(stats.output)["recipes"] == n_seeds + 1
-    table = invoke("stats", "--kb-dir", kbdir)
-    assert table.exit_code == 0 and "category rmsnorm" in table.output
-
-    both = invoke("list", "--kb-dir", kbdir, "--kb-url", "http://127.0.0.1:1")
-    assert both.exit_code == 2 and "not both" in both.output
-    bad_target = invoke("list", "--kb-dir", kbdir, "--target", "tpu")
-    assert bad_target.exit_code == 2
-    helped = invoke("--help")
-    assert helped.exit_code == 0 and all(c in helped.output for c in ("list", "show", "search", "add", "import", "export", "stats"))
-
-
-def test_cli_bad_import_file_and_url_from_environment(tmp_path, monkeypatch):
-    kbdir = str(tmp_path / "kb")
-    (tmp_path / "bad.jsonl").write_text("not json\n")
-    bad = invoke("import", str(tmp_path / "bad.jsonl"), "--kb-dir", kbdir)
-    assert bad.exit_code == 2 and "bad.jsonl:1: not JSON" in bad.output
-    dead = f"http://127.0.0.1:{_free_port()}"
-    monkeypatch.setenv("TRAINBRIDGE_KB_URL", dead)
-    assert invoke("stats", "--kb-dir", kbdir).exit_code == 0  # an explicit --kb-dir wins
-    from_env = invoke("stats")
-    assert from_env.exit_code == 1 and f"cannot reach the Chroma server at {dead}" in from_env.output
-
-
-# --------------------------------------------------------------------------------------------
-# a real Chroma server
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def chroma_server(tmp_path):
-    port = _free_port()
-    log = (tmp_path / "chroma.log").open("wb")
-    proc = subprocess.Popen(
-        [str(CHROMA), "run", "--path", str(tmp_path / "server"), "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/api/v2/heartbeat", timeout=1) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"chroma server did not start: {(tmp_path / 'chroma.log').read_text()[-2000:]}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-
-
-def test_knowledge_base_on_a_real_chroma_server(chroma_server, tmp_path, seeds):
-    with KnowledgeBase.connect(chroma_server, seed_dir=seeds) as kb:
-        assert kb.location == chroma_server
-        assert len(kb.list_recipes()) == len(OWN_SEEDS)
-        kb.record_outcome(outcome("rmsnorm-npu-rms-norm", "accepted", ratio=0.75))
-        assert rank_recipes(kb, intent("rmsnorm", RMSNORM_EVIDENCE), "npu")[0].recipe.id == "rmsnorm-npu-rms-norm"
-        kb.export_jsonl(tmp_path / "server.jsonl")
-    with KnowledgeBase.connect(chroma_server) as again:  # a second client sees the same data
-        assert again.get_recipe("rmsnorm-npu-rms-norm").stats.best_ratio == 0.75
-        assert again.import_jsonl(tmp_path / "server.jsonl").outcomes_added == 0
-    listed = invoke("list", "--kb-url", chroma_server, "--category", "rmsnorm")
-    assert listed.exit_code == 0 and "1/1/0" in listed.output
-
-
-def test_connect_to_a_dead_server_says_what_to_do():
-    with pytest.raises(KnowledgeBaseError, match=r"cannot reach the Chroma server at .*chroma run --path DIR"):
-        KnowledgeBase.connect(f"http://127.0.0.1:{_free_port()}")
-    with pytest.raises(KnowledgeBaseError, match="must look like http://host:port"):
-        KnowledgeBase.connect("ftp://host:1")
-    failed = invoke("stats", "--kb-url", f"http://127.0.0.1:{_free_port()}")
-    assert failed.exit_code == 1 and "cannot reach the Chroma server" in failed.output
-

@@ -1,249 +1,41 @@
-"""The LLM coder against a real loopback OpenAI-compatible server, through the real ChatOpenAI client.
+"""The LLM coder against a real loopback OpenAI-compatible server, through the real ChatOpenAI client:
+its configuration, a valid patch, and what never lands.
 
 Every test runs on a real temporary git repository (the user's checkout) and a real run workspace;
-a socket guard makes any connection or name lookup beyond loopback fail the test.
+a socket guard makes any connection or name lookup beyond loopback fail the test (tests/llm_coder_support.py).
 """
 
 from __future__ import annotations
 
-import ipaddress
-import json
-import os
-import socket
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import git
 import pytest
-from pydantic import SecretStr
 
 from trainbridge.agents.coder import llm_client
 from trainbridge.agents.coder.candidate import Candidate, CoderRefusal
-from trainbridge.agents.coder.learned import LearnedRecipeError, learned_recipe
 from trainbridge.agents.coder.llm import llm_candidate
-from trainbridge.agents.coder.llm_reply import PatchRejected, locate, parse_reply
 from trainbridge.agents.coder.llm_config import LLMConfig, LLMConfigError
-from trainbridge.records import Evidence, Intent, IntentCategory, IntentSource, SourceSpan
-from trainbridge.tools.codemods.engine import CodemodRefused, apply_recipe
+from trainbridge.records import IntentCategory, SourceSpan
 from trainbridge.tools.git_ops import RunWorkspace, open_repo
-
-MODEL = '''\
-import math
-
-import torch
-
-
-def new_gelu(x):
-    """GPT-2's tanh GELU."""
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-
-
-class RMSNorm(torch.nn.Module):
-    def __init__(self, dim, eps=1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * x
-
-
-def train_step(model, batch, optimizer):
-    loss = model(batch).square().mean()
-    loss.backward()
-    optimizer.step()
-    return loss
-'''
-GELU_LINE = "    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))"
-GELU_FUSED = '    return torch.nn.functional.gelu(x, approximate="tanh")'
-RMS_BODY = ("        variance = x.pow(2).mean(-1, keepdim=True)\n"
-            "        x = x * torch.rsqrt(variance + self.eps)\n"
-            "        return self.weight * x")
-GELU_SPAN = SourceSpan(file="model.py", line_start=6, line_end=8, function="new_gelu")
-RMS_SPAN = SourceSpan(file="model.py", line_start=17, line_end=20, function="forward")
-
-
-def block(search: str, replace: str, path: str = "model.py") -> str:
-    return f"{path}\n<<<<<<< SEARCH\n{search}\n=======\n{replace}\n>>>>>>> REPLACE\n"
-
-
-VALID_GELU = "Use the fused GELU.\n\n```python\n" + block(GELU_LINE, GELU_FUSED) + "```\n"
-
-
-# --- loopback fake OpenAI server ------------------------------------------------------------------
-
-
-class FakeOpenAI:
-    """POST /v1/chat/completions answered from a script of (status, text); every request is recorded."""
-
-    def __init__(self) -> None:
-        self.script: list[tuple[int, str]] = []
-        self.requests: list[dict] = []
-        self.retry_after: dict[int, str] = {}  # request index -> Retry-After header value
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                fake.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
-                if self.path != "/v1/chat/completions":
-                    return self._send(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
-                status, text = fake.script.pop(0) if fake.script else (500, "the test scripted no more replies")
-                if status != 200:
-                    retry_after = fake.retry_after.get(len(fake.requests) - 1)
-                    return self._send(status, {"error": {"message": text, "type": "server_error", "code": None}},
-                                      {"Retry-After": retry_after} if retry_after else {})
-                self._send(200, {
-                    "id": f"chatcmpl-{len(fake.requests)}", "object": "chat.completion", "created": 1700000000,
-                    "model": body.get("model", "?"),
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-                    "usage": {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20},
-                })
-
-            def _send(self, status: int, payload: dict, headers: dict | None = None) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                for key, value in (headers or {}).items():
-                    self.send_header(key, value)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def messages(self, index: int) -> list[dict]:
-        return self.requests[index]["body"]["messages"]
-
-
-@pytest.fixture
-def server():
-    fake = FakeOpenAI()
-    fake.thread.start()
-    yield fake
-    fake.server.shutdown()
-    fake.server.server_close()
-
-
-@pytest.fixture
-def waits(monkeypatch):
-    """The client's backoff waits, recorded instead of slept."""
-
-    recorded: list[float] = []
-    monkeypatch.setattr(llm_client, "_sleep", recorded.append)
-    return recorded
-
-
-@pytest.fixture(autouse=True)
-def loopback_only(monkeypatch):
-    """Any connection or name lookup beyond loopback is refused and recorded; the test then fails."""
-    outside: list[object] = []
-    real_connect, real_getaddrinfo = socket.socket.connect, socket.getaddrinfo
-
-    def loopback(host) -> bool:
-        if host in ("localhost", None):
-            return True
-        try:
-            return ipaddress.ip_address(str(host).split("%")[0]).is_loopback
-        except ValueError:
-            return False
-
-    def connect(sock, address):
-        if sock.family in (socket.AF_INET, socket.AF_INET6) and not loopback(address[0]):
-            outside.append(address)
-            raise ConnectionRefusedError(f"test guard: connection to {address} refused (not loopback)")
-        return real_connect(sock, address)
-
-    def getaddrinfo(host, *args, **kwargs):
-        if not loopback(host):
-            outside.append(host)
-            raise socket.gaierror(f"test guard: lookup of {host} refused (not loopback)")
-        return real_getaddrinfo(host, *args, **kwargs)
-
-    monkeypatch.setattr(socket.socket, "connect", connect)
-    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy",
-                 "OPENAI_API_KEY", "OPENAI_BASE_URL", "OPENAI_ORG_ID", "OPENAI_PROJECT_ID"):
-        monkeypatch.delenv(name, raising=False)
-    yield outside
-    assert not outside, f"requests left loopback: {outside}"
-
-
-# --- a real user repository and run workspace -----------------------------------------------------
-
-
-@pytest.fixture(autouse=True)
-def no_global_git_identity(tmp_path, monkeypatch):
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("GIT_CONFIG_GLOBAL", os.devnull)
-    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
-    for name in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY", "GIT_COMMON_DIR"):
-        monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def user_repo(tmp_path) -> Path:
-    root = tmp_path / "user"
-    repo = git.Repo.init(root, initial_branch="main")
-    with repo.config_writer() as config:
-        config.set_value("user", "name", "Alice")
-        config.set_value("user", "email", "alice@example.com")
-    (root / "model.py").write_text(MODEL)
-    repo.git.add("-A")
-    repo.git.commit("-m", "initial")
-    (root / "notes.txt").write_text("untracked scratch\n")  # the user's own uncommitted work
-    repo.close()
-    return root
-
-
-@pytest.fixture
-def workspace(user_repo, tmp_path) -> RunWorkspace:
-    return RunWorkspace.create_run(open_repo(user_repo), "r1", workspace_root=tmp_path / "ws")
-
-
-def snapshot(root: Path) -> dict:
-    with git.Repo(root) as repo:
-        return {"head": repo.head.commit.hexsha, "branch": repo.active_branch.name,
-                "status": repo.git.status("--porcelain", "--untracked-files=all"),
-                "model": (root / "model.py").read_bytes(), "notes": (root / "notes.txt").read_bytes(),
-                "user_branches": sorted(h.name for h in repo.heads if not h.name.startswith("trainbridge/"))}
-
-
-def assert_nothing_landed(workspace: RunWorkspace, user_repo: Path, before: dict) -> None:
-    with git.Repo(user_repo) as repo:
-        assert repo.git.rev_list("--all").split() == [before["head"]], "a commit was made"
-        assert not [h.name for h in repo.heads if ".cand/" in h.name], "a candidate branch was left behind"
-    assert workspace.head_sha == before["head"]
-    assert not any((workspace.root / "candidates").glob("*")), "a candidate worktree was left behind"
-    assert snapshot(user_repo) == before
-
-
-def make_intent(span: SourceSpan = GELU_SPAN, category: IntentCategory = IntentCategory.gelu) -> Intent:
-    return Intent(id=Intent.make_id(category, [span]), category=category, spans=[span], confidence=0.8,
-                  source=IntentSource.runtime,
-                  evidence=Evidence(reference_kernels=1, target_ops=9, target_time_us=412.0,
-                                    kernels=["cpp_fused_add_mul_pow_tanh_0"],
-                                    target_op_names=["aten::mul", "aten::pow", "aten::add", "aten::tanh"],
-                                    detectors=["static:gelu_tanh"]))
-
-
-def config_for(server: FakeOpenAI, **overrides) -> LLMConfig:
-    return LLMConfig(base_url=server.url, model="fake-coder", api_key=SecretStr("sk-test-123"), timeout=20,
-                     **{"max_attempts": 3, **overrides})
+from trainbridge.tests.llm_coder_support import (  # noqa: F401 (fixtures)
+    GELU_FUSED,
+    GELU_LINE,
+    MODEL,
+    RMS_BODY,
+    RMS_SPAN,
+    VALID_GELU,
+    assert_nothing_landed,
+    block,
+    config_for,
+    loopback_only,
+    make_intent,
+    no_global_git_identity,
+    server,
+    snapshot,
+    user_repo,
+    workspace,
+)
 
 
 # --- configuration --------------------------------------------------------------------------------
@@ -459,135 +251,6 @@ def test_import_check_is_inconclusive_when_the_module_never_imported(server, wor
         assert "inconclusive" in repo.commit(made.sha).message and "not_installed_pkg_xyz" in repo.commit(made.sha).message
 
 
-# --- the server misbehaves ---------------------------------------------------------------------------
-
-
-def test_server_errors_are_retried_with_backoff_in_the_client_then_given_up(server, workspace, user_repo, waits):
-    """Transport retries belong to the client (with backoff and a limit), not to the patch budget: five
-    500s with four retries are one request failure that ends the turn, not three patch attempts."""
-    before = snapshot(user_repo)
-    server.script = [(500, "upstream exploded")] * 5
-    refusal = llm_candidate(workspace, make_intent(), config_for(server, transport_retries=4))
-    assert isinstance(refusal, CoderRefusal)
-    assert "in 1 attempt(s)" in refusal.reason and "no reply after 5 request(s)" in refusal.reason, refusal.reason
-    assert "HTTP 500" in refusal.reason and "TRAINBRIDGE_LLM_RETRIES" in refusal.reason
-    assert len(server.requests) == 5 and waits == [1.0, 2.0, 4.0, 8.0]  # exponential backoff between them
-    assert_nothing_landed(workspace, user_repo, before)
-
-
-def test_a_rate_limit_waits_as_the_server_asks_and_costs_no_patch_attempt(server, workspace, waits):
-    server.script = [(429, "slow down"), (503, "overloaded"), (200, "no blocks here"), (200, VALID_GELU)]
-    server.retry_after = {0: "7"}
-    made = llm_candidate(workspace, make_intent(), config_for(server, max_attempts=2))
-    assert isinstance(made, Candidate), made  # two transport failures, then two patch attempts: the second lands
-    assert waits == [7.0, 2.0] and len(server.requests) == 4
-    assert server.messages(1) == server.messages(0) and len(server.messages(3)) == 4  # retried as is; then the feedback
-
-
-def test_a_500_then_a_valid_reply_lands(server, workspace, waits):
-    server.script = [(500, "blip"), (200, VALID_GELU)]
-    made = llm_candidate(workspace, make_intent(), config_for(server))
-    assert isinstance(made, Candidate)
-    assert len(server.messages(1)) == 2, "a transport failure is retried with the same messages"
-
-
-def test_a_bad_key_gives_up_at_once(server, workspace, user_repo):
-    before = snapshot(user_repo)
-    server.script = [(401, "invalid api key")]
-    refusal = llm_candidate(workspace, make_intent(), config_for(server))
-    assert isinstance(refusal, CoderRefusal) and "HTTP 401" in refusal.reason and "API key" in refusal.reason
-    assert len(server.requests) == 1
-    assert_nothing_landed(workspace, user_repo, before)
-
-
-def test_the_guard_refuses_an_endpoint_beyond_loopback(workspace, loopback_only, waits):
-    config = LLMConfig(base_url="http://203.0.113.7:8000/v1", model="m", api_key=SecretStr("k"), timeout=5, max_attempts=1)
-    refusal = llm_candidate(workspace, make_intent(), config)
-    seen = list(loopback_only)
-    loopback_only.clear()  # expected here; every other test ends with the list empty
-    assert isinstance(refusal, CoderRefusal) and "ConnectionError" in refusal.reason and "test guard" in refusal.reason
-    assert len(waits) == 4  # a refused connection is a transport failure: retried by the client, with backoff
-    assert seen and all("203.0.113.7" in str(where) for where in seen)
-
-
-# --- parsing and confinement units ---------------------------------------------------------------------
-
-
-def test_parse_reply_reads_paths_fences_and_imports():
-    reply = ("Two edits:\n\n```python\nsrc/m.py\n<<<<<<< SEARCH\na = 1\n=======\na = 2\n>>>>>>> REPLACE\n```\n"
-             "<<<<<<< SEARCH\nb = 1\n=======\n>>>>>>> REPLACE\n"
-             "<<<<<<< IMPORTS\nimport torch.nn.functional as F\n\n>>>>>>> IMPORTS\n")
-    parsed = parse_reply(reply)
-    assert [(b.file, b.search, b.replace) for b in parsed.blocks] == [("src/m.py", ["a = 1"], ["a = 2"]),
-                                                                      ("src/m.py", ["b = 1"], [])]
-    assert parsed.imports == ["import torch.nn.functional as F"]
-    with pytest.raises(PatchRejected, match="exactly one ======="):
-        parse_reply("<<<<<<< SEARCH\na\n=======\nb\n=======\nc\n>>>>>>> REPLACE\n")
-
-
-def test_locate_refuses_ambiguous_and_outside_blocks():
-    source = "def f(x):\n    y = x + 1\n    return y\n\n\ndef g(x):\n    y = x + 1\n    return y\n"
-    span = SourceSpan(file="m.py", line_start=6, line_end=8)
-    blocks = parse_reply(block("    y = x + 1", "    y = x.add(1)", "m.py")).blocks
-    with pytest.raises(PatchRejected, match="occurs 2 times"):
-        locate(blocks, {"m.py": source}, [span])
-    unique = parse_reply(block("def g(x):\n    y = x + 1", "def g(x):\n    y = x.add(1)", "m.py")).blocks
-    assert locate(unique, {"m.py": source}, [span])[0].start == 5
-    first = parse_reply(block("def f(x):\n    y = x + 1", "def f(x):\n    y = x.add(1)", "m.py")).blocks
-    with pytest.raises(PatchRejected, match="lines 1-2, outside the editable region"):
-        locate(first, {"m.py": source}, [span])
-    numbered = parse_reply(block("    7 |     y = x + 1", "    y = 2", "m.py")).blocks
-    with pytest.raises(PatchRejected) as caught:
-        locate(numbered, {"m.py": source}, [span])
-    assert "line numbers" in caught.value.close[0]
-
-
-# --- learned recipes -----------------------------------------------------------------------------------
-
-
-def test_learned_expression_recipe_reproduces_the_accepted_patch(server, workspace, user_repo):
-    server.script = [(200, VALID_GELU)]
-    intent = make_intent()
-    made = llm_candidate(workspace, intent, config_for(server))
-    assert isinstance(made, Candidate)
-    workspace.accept_candidate(made.name)
-    recipe = learned_recipe(made, intent, repo_root=user_repo, target="cpu", model="fake-coder")
-    assert recipe.provenance.kind == "learned" and recipe.match.kind == "expression"
-    assert recipe.match.params["pattern"] == GELU_LINE.strip().removeprefix("return ")
-    assert recipe.replacement == GELU_FUSED.strip().removeprefix("return ")
-    assert recipe.category == IntentCategory.gelu and [str(t) for t in recipe.targets] == ["cpu"]
-    assert f"commit {made.sha}" in recipe.provenance.sources and "aten::tanh" in recipe.keywords
-    # the same code elsewhere (another copy, reformatted) is rewritten by the recipe alone
-    elsewhere = "import math\nimport torch\n\ndef act(x):\n    return 0.5*x*(1.0 + torch.tanh(math.sqrt(2.0/math.pi)*(x + 0.044715*torch.pow(x, 3.0))))\n"
-    edit = apply_recipe(elsewhere, recipe, SourceSpan(file="other.py", line_start=4, line_end=5))
-    assert 'return torch.nn.functional.gelu(x, approximate="tanh")' in edit.source
-    # literal names: a differently named variable is not matched
-    renamed = elsewhere.replace("x", "h")
-    with pytest.raises(CodemodRefused, match="no expression"):
-        apply_recipe(renamed, recipe, SourceSpan(file="other.py", line_start=4, line_end=5))
-
-
-def test_learned_semantic_recipe_from_an_npu_forward_rewrite(server, workspace, user_repo):
-    fused = "        return torch_npu.npu_rms_norm(x, self.weight, epsilon=self.eps)[0]"
-    server.script = [(200, block(RMS_BODY, fused) + "<<<<<<< IMPORTS\nimport torch_npu\n>>>>>>> IMPORTS\n")]
-    intent = make_intent(RMS_SPAN, IntentCategory.rmsnorm)
-    made = llm_candidate(workspace, intent, config_for(server), target="npu")
-    assert isinstance(made, Candidate), made  # imported in a child against the torch_npu emulation
-    assert "+import torch_npu" in made.diff and "+" + fused in made.diff
-    recipe = learned_recipe(made, intent, repo_root=user_repo, target="npu")
-    assert recipe.match.kind == "semantic" and recipe.imports == ["import torch_npu"]
-    assert recipe.match.params["scope"] == "module_forward" and recipe.match.params["signature"] == ["x"]
-    assert recipe.match.params["attributes"] == ["eps", "weight"]
-    assert recipe.replacement == "torch_npu.npu_rms_norm($x, $self_weight, epsilon=$self_eps)[0]"
-    # a differently named RMSNorm with the same body form gets the same rewrite
-    other = ("import torch\n\n\nclass Norm(torch.nn.Module):\n    def __init__(self, d):\n        super().__init__()\n"
-             "        self.eps = 1e-5\n        self.weight = torch.nn.Parameter(torch.ones(d))\n\n"
-             "    def forward(self, h):\n        variance = h.pow(2).mean(-1, keepdim=True)\n"
-             "        h = h * torch.rsqrt(variance + self.eps)\n        return self.weight * h\n")
-    edit = apply_recipe(other, recipe, SourceSpan(file="n.py", line_start=10, line_end=13))
-    assert "return torch_npu.npu_rms_norm(h, self.weight, epsilon=self.eps)[0]" in edit.source
-
-
 def test_npu_patch_may_only_call_verifiable_fused_apis(server, workspace, user_repo):
     before = snapshot(user_repo)
     server.script = [(200, block(RMS_BODY, "        return torch_npu.npu_secret_norm(x)") +
@@ -596,17 +259,6 @@ def test_npu_patch_may_only_call_verifiable_fused_apis(server, workspace, user_r
                             target="npu")
     assert isinstance(refusal, CoderRefusal) and "torch_npu.npu_secret_norm" in refusal.reason
     assert_nothing_landed(workspace, user_repo, before)
-
-
-def test_learned_recipe_refuses_patches_no_recipe_kind_expresses(server, workspace, user_repo):
-    two = block("        variance = x.pow(2).mean(-1, keepdim=True)\n        x = x * torch.rsqrt(variance + self.eps)",
-                "        variance = x.square().mean(-1, keepdim=True)\n        x = x * (variance + self.eps).rsqrt()")
-    server.script = [(200, two)]
-    intent = make_intent(RMS_SPAN, IntentCategory.rmsnorm)
-    made = llm_candidate(workspace, intent, config_for(server))
-    assert isinstance(made, Candidate), made
-    with pytest.raises(LearnedRecipeError, match="no recipe kind expresses it"):
-        learned_recipe(made, intent, repo_root=user_repo, target="cpu")
 
 
 def test_an_unexpected_error_leaves_no_candidate_behind(workspace, user_repo):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from trainbridge.graph.own_rewrites import added_lines, is_own_rewrite
+from trainbridge.agents.analyst.own_rewrites import added_lines, is_own_rewrite, split_own_rewrites, verdict_landed
 from trainbridge.records import Intent, IntentSource, SourceSpan
 
 
@@ -57,3 +57,26 @@ def test_added_lines_ignore_the_users_diff_config(tmp_path):
                        "color.diff": "always", "diff.external": "false", "diff.relative": "true"}.items():
         _git(repo, "config", key, value)
     assert added_lines(repo, base) == {"model.py": {2}}
+
+
+def test_split_own_rewrites_parts_an_analysis_by_what_landed(tmp_path):
+    """The analyst node's filter: only categories whose verdict landed (accepted, or pending on the NPU
+    branch) count, and git is not asked at all when nothing landed."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "model.py").write_text("a\nb\nc\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "base")
+    base = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+    (repo / "model.py").write_text("a\nfused(b)\nnorm(c)\n")
+    _git(repo, "commit", "-qam", "rewrite")
+    gelu, norm, old = _intent("gelu", "model.py", 2, 2), _intent("rmsnorm", "model.py", 3, 3), _intent("gelu", "model.py", 1, 1)
+    verdicts = [{"category": "gelu", "accepted": True}, {"category": "rmsnorm", "accepted": False, "reason": "slower"}]
+    found = split_own_rewrites([gelu, norm, old], repo, base, verdicts)
+    assert found.own == [gelu] and found.kept == [norm, old]
+    pending = [{"category": "rmsnorm", "accepted": False, "reason": "speed_unmeasured_numerics_ok"}]
+    assert split_own_rewrites([gelu, norm], repo, base, pending).own == [norm]
+    assert verdict_landed(pending[0]) and not verdict_landed(verdicts[1]) and not verdict_landed({})
+    nothing = split_own_rewrites([gelu, norm], tmp_path / "not-a-repo", base, verdicts[1:])  # no git call: no error
+    assert nothing.own == [] and nothing.kept == [gelu, norm]

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from tests.script_mode_support import nanogpt_repo
-from trainbridge.agents.profiler.gate import RoundInputs, judge_conduct, judge_timed, run_gate, run_side
+from trainbridge.agents.profiler.gate import RoundInputs, judge_conduct, judge_timed, run_gate, run_pair, run_side
 from trainbridge.agents.profiler.numerics import compare_numerics
 from trainbridge.sandbox.workload import load_workload
 
@@ -61,6 +61,29 @@ def test_a_gate_round_catches_a_candidate_that_changes_the_numerics(tmp_path):
     _, base, cand = _round(baseline, candidate, seed=6)
     numerics = compare_numerics(base.report, cand.report, baseline_grads=base.grads, candidate_grads=cand.grads)
     assert not numerics.passed and any("gradient of" in p or "loss" in p for p in numerics.problems)
+
+
+def test_a_paired_gate_round_runs_two_script_children_side_by_side(tmp_path):
+    baseline, candidate = _pair(tmp_path)
+    inputs = RoundInputs.draw(random.Random(9), numerics_steps=2, warmup=1, steps=2, index_range=256)
+    base, cand = run_pair((baseline, candidate), inputs, backend="cpu", extra_env=None, work_dir=None)
+    assert base.run.failure is None and cand.run.failure is None, (base.run.failure, cand.run.failure)
+    numerics = compare_numerics(base.report, cand.report, baseline_grads=base.grads, candidate_grads=cand.grads)
+    assert numerics.passed and base.run.losses == cand.run.losses
+    assert judge_conduct(base, cand, baseline.config.threads, "paired round") == []
+    assert judge_timed(1, base, cand, numerics.tolerance) == []
+
+
+def test_a_pair_whose_candidate_cannot_start_reports_both_sides(tmp_path):
+    from trainbridge.sandbox.runner import run_workload_pair
+    from trainbridge.sandbox.step_driver import StepPlan
+
+    baseline, candidate = _pair(tmp_path)
+    (candidate.root / "train.py").unlink()
+    plan = StepPlan.sequential(1, 1)
+    base, cand = run_workload_pair((baseline, candidate), (plan, plan))
+    assert cand.failure is not None and "'train.py' of launch line" in cand.failure.message
+    assert base.failure is not None and base.interrupted
 
 
 @pytest.mark.slow

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 # The git layer's public API, from its one-concern modules: names (git_names), errors (git_errors),
 # the one runner (git_runner), the user's repository (git_repo), results (git_records) and the run
-# workspace (git_workspace).
+# workspace (git_workspace; its folders, lock and recovery in git_worktrees).
 from trainbridge.tools.git_errors import (  # noqa: F401
     CandidateConflict,
     CandidateNotFound,

@@ -1,20 +1,18 @@
 """`RunWorkspace`: the run branch and its candidates, each in its own worktree under a workspace folder
 outside the user's checkout. Crash-safety and idempotency are described in tools/git_ops.py.
 
-One class of ~480 lines, on purpose: its operations share the lock, the recovery of what a killed
-process left behind, and the trailer bookkeeping that make each of them safe to repeat; split, each
-piece would need the others' internals.
+The branch operations (create the run, start/commit/diff/accept/reject a candidate, push one to a
+side branch) stay in one class: they share the trailer bookkeeping and the "already done?" checks
+that make each of them safe to repeat, so candidate-branch and run-branch operations do not split
+apart cleanly. The folders, the lock and the recovery of what a killed process left behind do:
+they are `WorkspaceFolders` (tools/git_worktrees.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
-import shutil
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from trainbridge.tools.git_errors import (
@@ -26,7 +24,6 @@ from trainbridge.tools.git_errors import (
     NothingToAccept,
     UnsafeReason,
     UnsafeRepoState,
-    WorkspaceBusy,
 )
 from trainbridge.tools.git_names import (
     BRANCH_PREFIX,
@@ -50,7 +47,6 @@ from trainbridge.tools.git_repo import UserRepo
 from trainbridge.tools.git_runner import (
     Commit,
     GitIdentity,
-    Worktree,
     commits,
     is_under,
     ref_sha,
@@ -58,8 +54,7 @@ from trainbridge.tools.git_runner import (
     run_git_status,
     worktrees,
 )
-
-_IN_OUR_WORKTREE_STATE = ("MERGE_HEAD", "CHERRY_PICK_HEAD", "sequencer")  # what our own commands can leave
+from trainbridge.tools.git_worktrees import WorkspaceFolders
 
 
 class RunWorkspace:
@@ -82,13 +77,12 @@ class RunWorkspace:
                                   "Choose a workspace directory outside the repository, "
                                   "e.g. ~/.trainbridge/runs/<run-id>.")
         self.identity = identity or GitIdentity()
-        self.stale_lock_age_s, self.lock_timeout_s = stale_lock_age_s, lock_timeout_s
+        self.folders = WorkspaceFolders(repo, self.run_id, self.root, self.identity,
+                                        stale_lock_age_s=stale_lock_age_s, lock_timeout_s=lock_timeout_s)
         self.branch = run_branch_name(run_id)
         self.worktree = self.root / "run"
         self.info: RunInfo | None = None
-        self.recovered: list[str] = []
         self.made_shas: list[str] = []
-        self._lock_depth = 0
 
     # -- public API ------------------------------------------------------------------------
 
@@ -107,7 +101,7 @@ class RunWorkspace:
             current = self.ref_sha(branch)
             if current is None:
                 self.update_ref(branch, run_head, "", f"start candidate {name}")
-            self._ensure_worktree(branch, self._cand_path(name))
+            self.folders.ensure_worktree(branch, self._cand_path(name))
             reset_from = None
             if current is not None:
                 if current != run_head:
@@ -133,7 +127,7 @@ class RunWorkspace:
                                         created=False, empty=False, already_accepted=True)
                 raise self._not_found(name)
             path = self._cand_path(name)
-            self._ensure_worktree(branch, path)
+            self.folders.ensure_worktree(branch, path)
             base = self._merge_base(current, run_head)
             if current == base != run_head:
                 found = self._find_in_run(name)
@@ -180,7 +174,7 @@ class RunWorkspace:
             target = current
             if include_uncommitted:
                 path = self._cand_path(name)
-                self._ensure_worktree(branch, path)
+                self.folders.ensure_worktree(branch, path)
                 index = Path(self.git(path, "rev-parse", "--absolute-git-dir")) / "trainbridge-diff.index"
                 env = {"GIT_INDEX_FILE": str(index)}
                 try:
@@ -254,7 +248,7 @@ class RunWorkspace:
                 self.update_ref(side, run_head, "", f"create {suffix} branch")
                 side_head = run_head
             path = self.root / "branches" / suffix
-            self._ensure_worktree(side, path)
+            self.folders.ensure_worktree(side, path)
             self.git(path, "reset", "-q", "--hard", "HEAD")
             fast_forward = self._is_ancestor(side_head, current)
             if fast_forward:
@@ -285,7 +279,7 @@ class RunWorkspace:
             removed = []
             for worktree in worktrees(self.repo.root):
                 if is_under(worktree.path, self.root):
-                    self._remove_worktree(worktree)
+                    self.folders.remove_worktree(worktree)
                     removed.append(worktree.path)
             for folder in (self.root / "candidates", self.root / "branches"):
                 with contextlib.suppress(OSError):
@@ -297,6 +291,15 @@ class RunWorkspace:
     @property
     def head_sha(self) -> str:
         return self._run_head()
+
+    @property
+    def recovered(self) -> list[str]:
+        """What the recoveries on taking the lock cleared, in words."""
+        return self.folders.recovered
+
+    def locked(self) -> contextlib.AbstractContextManager[None]:
+        """The workspace's exclusive lock (tools/git_worktrees.py); every branch move happens under it."""
+        return self.folders.locked()
 
     # -- internals -------------------------------------------------------------------------
 
@@ -326,7 +329,7 @@ class RunWorkspace:
                                       f"base {base_sha[:12]}.{hint}",
                                       "To resume that run pass the base it was started from; to start afresh pick a "
                                       f"new run id (or delete the branch: `git branch -D {self.branch}`).")
-            created_worktree = self._ensure_worktree(self.branch, self.worktree)
+            created_worktree = self.folders.ensure_worktree(self.branch, self.worktree)
             self._sync_run_worktree()
             if not recorded:
                 run_file.write_text(json.dumps({"run_id": self.run_id, "repo": str(self.repo.root),
@@ -335,146 +338,9 @@ class RunWorkspace:
                            head_sha=head, worktree=self.worktree, created_branch=created_branch,
                            created_worktree=created_worktree, notes=list(self.repo.notes))
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """Exclusive per-workspace lock (re-entrant in this object); recovers stale git locks on entry."""
-        if self._lock_depth:
-            self._lock_depth += 1
-            try:
-                yield
-            finally:
-                self._lock_depth -= 1
-            return
-        (self.root / "git-state").mkdir(parents=True, exist_ok=True)
-        handle = open(self.root / ".git-ops.lock", "a+")  # noqa: SIM115 - held across the with-body
-        deadline = time.monotonic() + self.lock_timeout_s
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    handle.seek(0)
-                    holder = handle.read().strip() or "unknown"
-                    handle.close()
-                    raise WorkspaceBusy(f"Another TrainBridge process (pid {holder}) is using workspace {self.root}.",
-                                        "Wait for it to finish or stop it; one process per run.") from None
-                time.sleep(0.05)
-        handle.truncate(0)
-        handle.write(str(os.getpid()))
-        handle.flush()
-        self._lock_depth = 1
-        try:
-            self._recover()
-            yield
-        finally:
-            self._lock_depth = 0
-            fcntl.flock(handle, fcntl.LOCK_UN)
-            handle.close()
-
-    def _recover(self) -> None:
-        """Clear what a killed TrainBridge left behind, only in our worktrees and our refs."""
-        for worktree in worktrees(self.repo.root):
-            if not is_under(worktree.path, self.root) or worktree.prunable:
-                continue
-            admin = self._admin_dir(worktree.path)
-            if admin is None:
-                continue
-            for name in ("index.lock", "HEAD.lock"):
-                self._clear_stale(admin / name)
-            if any((admin / marker).exists() for marker in _IN_OUR_WORKTREE_STATE):
-                if (admin / "sequencer").exists():
-                    run_git_status(worktree.path, "cherry-pick", "--quit", identity=self.identity)
-                self.git(worktree.path, "reset", "-q", "--merge")
-                self.recovered.append(f"ended an interrupted merge/cherry-pick in {worktree.path}")
-        heads = self.repo.common_dir / "refs" / "heads" / BRANCH_PREFIX.rstrip("/")
-        for lock in [heads / f"{self.run_id}.lock", *heads.glob(f"{self.run_id}.*.lock"),
-                     *heads.glob(f"{self.run_id}.*/**/*.lock")]:
-            self._clear_stale(lock)
-
-    def _clear_stale(self, lock: Path) -> None:
-        while True:
-            try:
-                age = time.time() - lock.stat().st_mtime
-            except FileNotFoundError:
-                return
-            if age >= self.stale_lock_age_s:
-                lock.unlink(missing_ok=True)
-                self.recovered.append(f"removed stale {lock}")
-                return
-            time.sleep(min(0.1, self.stale_lock_age_s - age))
-
-    def _admin_dir(self, worktree: Path) -> Path | None:
-        """The git admin folder of a linked worktree of this repository, read from its `.git` file."""
-        dot_git = worktree / ".git"
-        if not dot_git.is_file():
-            return None
-        text = dot_git.read_text(errors="replace").strip()
-        if not text.startswith("gitdir:"):
-            return None
-        admin = Path(os.path.realpath(worktree / text.removeprefix("gitdir:").strip()))
-        return admin if is_under(admin, self.repo.common_dir / "worktrees") else None
-
-    def _ensure_worktree(self, branch: str, path: Path) -> bool:
-        """Have `branch` checked out at `path`; returns whether a worktree was (re)created."""
-        ref = f"refs/heads/{branch}"
-        path = Path(os.path.realpath(path))
-        for worktree in worktrees(self.repo.root):
-            if worktree.ref == ref and worktree.path != path:
-                if not (is_under(worktree.path, self.root) and worktree.prunable):
-                    raise UnsafeRepoState(UnsafeReason.branch_checked_out,
-                                          f"Branch {branch} is checked out at {worktree.path}; TrainBridge moves it "
-                                          "and would change that checkout.",
-                                          f"Switch that checkout to another branch (`git switch -`) or remove it "
-                                          f"(`git worktree remove {worktree.path}`), then run again.")
-                self._remove_worktree(worktree)
-            elif worktree.path == path:
-                if worktree.ref == ref and not worktree.locked and not worktree.prunable:
-                    return False
-                self._remove_worktree(worktree)
-        if path.exists():
-            self._remove_leftover(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        run_git(self.repo.root, "worktree", "add", "-q", str(path), branch, identity=self.identity)
-        return True
-
-    def _remove_worktree(self, worktree: Worktree) -> None:
-        if not is_under(worktree.path, self.root):
-            raise AssertionError(f"refusing to remove {worktree.path}: not in {self.root}")
-        status, _, _ = run_git_status(self.repo.root, "worktree", "remove", "--force", "--force", str(worktree.path),
-                                   identity=self.identity)
-        if status != 0:  # older git cannot remove a worktree whose folder is gone: drop only its admin entry
-            for admin in (self.repo.common_dir / "worktrees").glob("*"):
-                gitdir = admin / "gitdir"
-                if gitdir.is_file() and Path(os.path.realpath(gitdir.read_text().strip())).parent == worktree.path:
-                    shutil.rmtree(admin)
-        if worktree.path.exists():
-            self._remove_leftover(worktree.path)
-
-    def _remove_leftover(self, path: Path) -> None:
-        if not is_under(path, self.root):
-            raise AssertionError(f"refusing to remove {path}: not in {self.root}")
-        if path.is_dir() and not any(path.iterdir()):
-            path.rmdir()
-        elif (path / ".git").is_file() and self._points_into_repo(path):
-            shutil.rmtree(path)
-        else:
-            raise UnsafeRepoState(UnsafeReason.workspace_location,
-                                  f"{path} exists and is not a TrainBridge worktree of {self.repo.root}.",
-                                  "Move it away or choose another workspace directory.")
-
-    def _points_into_repo(self, path: Path) -> bool:
-        text = (path / ".git").read_text(errors="replace").strip().removeprefix("gitdir:").strip()
-        return is_under(path / text, self.repo.common_dir / "worktrees")
-
     def _remove_candidate(self, name: str) -> str | None:
         branch = candidate_branch_name(self.run_id, name)
-        path = Path(os.path.realpath(self._cand_path(name)))
-        for worktree in worktrees(self.repo.root):
-            if worktree.path == path:
-                self._remove_worktree(worktree)
-        if path.exists():
-            self._remove_leftover(path)
+        self.folders.remove_path(self._cand_path(name))
         current = self.ref_sha(branch)
         if current is not None:
             self.update_ref(branch, None, current, f"remove candidate {name}")

@@ -10,6 +10,10 @@ is; each check below names what it did:
 - ``tampered_resources``: more cores than the gate gives (threads beyond the configured count,
   work handed to helper processes), a priority above the gate's (nice, real-time policy), or a
   process that escaped the child's process group and outlived it (it could slow the next run);
+- ``tampered_resources`` too, in a paired round (both sides alive at once, their steps alternated):
+  CPU the candidate used while the baseline was being timed beyond what the baseline used while the
+  candidate was (work that slows its partner), and anything done *to* the baseline (stopped by a
+  signal, its priority lowered, its cores narrowed): only the candidate runs beside it;
 - ``tampered_harness``: messages on the control channel that the harness did not send, or files
   written into the worktree under test (state kept between runs can tell one run from another or
   carry results across).
@@ -39,6 +43,8 @@ CORES_SLACK = 0.25
 MIN_CORES_WALL_S = 0.05  # shorter timed phases: the kernel's CPU accounting is too coarse to judge
 HELPER_SHARE = 0.1  # helpers' CPU beyond the baseline's, as a share of the timed wall time
 MAX_LISTED = 5
+IDLE_SHARE = 0.05  # CPU while the partner is timed, beyond the baseline's, as a share of the partner's step time
+IDLE_SLACK_S = 0.02
 
 
 _TIMING_NAMES = ("time.", "torch.cuda.synchronize", "torch.cuda.Event", "torch.npu.synchronize", "trainbridge.sandbox.backends.")
@@ -123,6 +129,26 @@ def check_resources(baseline: RunResult, candidate: RunResult, threads: int, whe
                 f"{where}: the candidate used {watch.cores_used:.2f} cores while timed{helpers}; the gate gives "
                 f"{threads} thread(s) and the baseline used {base.cores_used:.2f}: it took more of the machine than "
                 "the baseline was given")))
+    return findings
+
+
+def check_partner(baseline: RunResult, candidate: RunResult, where: str) -> list[Finding]:
+    """A paired round: what the candidate did while the baseline was timed, and to the baseline."""
+    findings: list[Finding] = []
+    base, watch = baseline.watch, candidate.watch
+    if base is not None and base.interference:
+        findings.append(Finding(kind=FindingKind.tampered_resources, message=(
+            f"{where}: while it ran beside the candidate, {'; '.join(base.interference[:MAX_LISTED]).replace('the child', 'the baseline')}: "
+            "only the candidate ran beside it")))
+    if watch is None or watch.idle_cpu_s is None or not watch.idle_wall_s:
+        return findings
+    base_idle = (base.idle_cpu_s or 0.0) if base is not None else 0.0
+    allowed = base_idle + IDLE_SHARE * watch.idle_wall_s + IDLE_SLACK_S
+    if watch.idle_cpu_s > allowed:
+        findings.append(Finding(kind=FindingKind.tampered_resources, message=(
+            f"{where}: the candidate used {watch.idle_cpu_s * 1e3:.0f} ms of CPU during the {watch.idle_wall_s * 1e3:.0f} ms the baseline "
+            f"was being timed (the baseline used {base_idle * 1e3:.0f} ms while the candidate was): work that slows the side it "
+            "is compared with")))
     return findings
 
 

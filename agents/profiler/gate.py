@@ -29,13 +29,16 @@ A failure of the *baseline* is not the candidate's fault: it raises `GateError`.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from trainbridge.agents.profiler import conduct
+from trainbridge.agents.profiler import conduct, quiet
+from trainbridge.agents.profiler.quiet import busy_rounds
 from trainbridge.agents.profiler.drift import MARGIN as DRIFT_MARGIN
 from trainbridge.agents.profiler.drift import GateDrift, timed_drift, widen_for_drift
 from trainbridge.agents.profiler.integrity import Finding, check_config, check_probes, check_timed_deltas, check_timed_losses
@@ -44,12 +47,14 @@ from trainbridge.agents.profiler.probe_report import ProbeReport, ProbeReportErr
 from trainbridge.agents.profiler.stats import SpeedOutcome, decide_speed, gate_decision, wants_more_rounds
 from trainbridge.agents.profiler.verdict import FAILURE_REASONS, Verdict, VerdictReason
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
-from trainbridge.sandbox.runner import run_workload
+from trainbridge.sandbox.runner import run_workload, run_workload_pair
 from trainbridge.sandbox.scratch import scratch_dir
 from trainbridge.sandbox.step_driver import StepPlan
 from trainbridge.sandbox.workload import Workload
 
 GateProgress = Callable[[str, int, int], None]  # (phase, done, total); phases "numerics", "timing"
+Pairing = Literal["paired", "sequential"]
+PAIRINGS = ("paired", "sequential")
 SEED_LIMIT = 2**31 - 1
 COOLDOWN_STEPS = 1  # after the measured steps: work a candidate defers past its last measured reply lands here
 _SPEED_REASONS = {
@@ -97,27 +102,61 @@ def run_side(workload: Workload, inputs: RoundInputs, *, backend: str, extra_env
              work_dir: Path | None, label: str) -> SideRun:
     """One gate child for one side of a round (a fresh scratch folder, gone before the other side runs)."""
     with scratch_dir(f"trainbridge-gate-{label}-", work_dir) as tmp:
-        plan = StepPlan(warmup=inputs.warmup, measured=inputs.measured, cooldown=inputs.cooldown,
-                        probe={"seed": inputs.seed, "batch_indices": inputs.probe_indices, "grads_path": str(tmp / "grads.pt")},
-                        deltas_path=tmp / "deltas.pt")
         before = conduct.snapshot_tree(workload.root)
-        run = run_workload(workload.with_overrides(seed=inputs.seed), backend=backend, mode="gate", plan=plan,
+        run = run_workload(workload.with_overrides(seed=inputs.seed), backend=backend, mode="gate", plan=_plan(inputs, tmp),
                            extra_env=extra_env, work_dir=work_dir)
-        side = SideRun(run=run, written=conduct.changed_files(before, conduct.snapshot_tree(workload.root)))
-        if run.failure is None and not run.step_times_s:
-            run.failure = Failure(kind=FailureKind.crashed, message="the run finished without any measured step time")
-        if run.failure is not None:
-            return side
-        try:  # whatever the child left behind is only a result once it parses
-            side.report = ProbeReport.from_run(run)
-            side.grads = load_grads(tmp / "grads.pt")
-            final = run.extra.get("final") or {}
-            side.unchanged = [str(n) for n in final.get("unchanged_params", [])]
-            side.deltas = load_grads(tmp / "deltas.pt")
-        except (ProbeReportError, ValueError, OSError, RuntimeError) as exc:
-            run.failure = Failure(kind=FailureKind.crashed, message=f"the gate run left no readable probe, gradient or parameter "
-                                  f"file ({type(exc).__name__}: {exc})"[:2000])
+        return _side(run, tmp, conduct.changed_files(before, conduct.snapshot_tree(workload.root)))
+
+
+def run_pair(workloads: tuple[Workload, Workload], inputs: RoundInputs, *, backend: str, extra_env: dict[str, str] | None,
+             work_dir: Path | None, orphans_to: int = 1) -> tuple[SideRun, SideRun]:
+    """Both sides of a round in two gate children alive at once, their timed steps alternated
+    (`workloads[0]` leads: sandbox/step_driver.py, `drive_pair`); escaped processes count against
+    `workloads[orphans_to]`."""
+    with scratch_dir("trainbridge-gate-a-", work_dir) as tmp_a, scratch_dir("trainbridge-gate-b-", work_dir) as tmp_b:
+        before = [conduct.snapshot_tree(w.root) for w in workloads]
+        runs = run_workload_pair(tuple(w.with_overrides(seed=inputs.seed) for w in workloads), (_plan(inputs, tmp_a), _plan(inputs, tmp_b)),
+                                 backend=backend, extra_env=extra_env, orphans_to=orphans_to, work_dir=work_dir)
+        sides = [_side(run, tmp, conduct.changed_files(b, conduct.snapshot_tree(w.root)))
+                 for run, tmp, b, w in zip(runs, (tmp_a, tmp_b), before, workloads)]
+        return sides[0], sides[1]
+
+
+def _plan(inputs: RoundInputs, tmp: Path) -> StepPlan:
+    return StepPlan(warmup=inputs.warmup, measured=inputs.measured, cooldown=inputs.cooldown,
+                    probe={"seed": inputs.seed, "batch_indices": inputs.probe_indices, "grads_path": str(tmp / "grads.pt")},
+                    deltas_path=tmp / "deltas.pt")
+
+
+def _side(run: RunResult, tmp: Path, written: list[str]) -> SideRun:
+    """What a gate child left, once it parses (its scratch folder `tmp` still exists)."""
+    side = SideRun(run=run, written=written)
+    if run.failure is None and not run.step_times_s:
+        run.failure = Failure(kind=FailureKind.crashed, message="the run finished without any measured step time")
+    if run.failure is not None:
         return side
+    try:  # whatever the child left behind is only a result once it parses
+        side.report = ProbeReport.from_run(run)
+        side.grads = load_grads(tmp / "grads.pt")
+        final = run.extra.get("final") or {}
+        side.unchanged = [str(n) for n in final.get("unchanged_params", [])]
+        side.deltas = load_grads(tmp / "deltas.pt")
+    except (ProbeReportError, ValueError, OSError, RuntimeError) as exc:
+        run.failure = Failure(kind=FailureKind.crashed, message=f"the gate run left no readable probe, gradient or parameter "
+                              f"file ({type(exc).__name__}: {exc})"[:2000])
+    return side
+
+
+def default_pairing(backend: str) -> Pairing:
+    """"paired" on the CPU (two children side by side fit in host memory, and halve the noise of a
+    round on this kind of machine: benchmarks/gate_calibration.py); "sequential" on accelerators,
+    where two processes would share one device's memory. TRAINBRIDGE_GATE_PAIRING overrides."""
+    chosen = os.environ.get("TRAINBRIDGE_GATE_PAIRING")
+    if chosen:
+        if chosen not in PAIRINGS:
+            raise GateError(f"TRAINBRIDGE_GATE_PAIRING={chosen!r}: choose one of {', '.join(PAIRINGS)}")
+        return chosen  # type: ignore[return-value]
+    return "paired" if backend == "cpu" else "sequential"
 
 
 def run_gate(
@@ -138,6 +177,7 @@ def run_gate(
     extra_env: dict[str, str] | None = None,
     on_progress: GateProgress | None = None,
     work_dir: Path | None = None,
+    pairing: Pairing | None = None,
 ) -> Verdict:
     """Judge `candidate` against `baseline` (see the module doc). `rng` only for reproducible tests:
     by default seeds and batch indices come from the operating system's entropy."""
@@ -154,6 +194,9 @@ def run_gate(
     tolerance = tolerance or NumericsTolerance()
     progress = on_progress or (lambda phase, done, total: None)
     steps = steps_per_round or baseline.config.steps
+    pairing = pairing or default_pairing(backend)
+    if pairing not in PAIRINGS:
+        raise GateError(f"pairing {pairing!r}: choose one of {', '.join(PAIRINGS)}")
 
     def draw() -> RoundInputs:
         return RoundInputs.draw(rng, numerics_steps=numerics_steps, warmup=baseline.config.warmup_steps, steps=steps,
@@ -164,7 +207,7 @@ def run_gate(
     base_rounds: list[list[float]] = []
     cand_rounds: list[list[float]] = []
     orders: list[str] = []
-    state: dict = {}
+    state: dict = {"pairing": pairing}
 
     def verdict(reason: VerdictReason, message: str, phase: str, **fields) -> Verdict:
         now = time.monotonic()
@@ -184,28 +227,36 @@ def run_gate(
     candidate = Workload(root=candidate.root, config=baseline.config)
     workloads = {"baseline": baseline, "candidate": candidate}
 
+    cores: list[float | None] = []  # the baseline's cores over its timed steps, per round
+
+    def _kept() -> tuple[list[list[float]], list[list[float]]]:
+        busy = set(state.get("busy_rounds", []))
+        return ([r for i, r in enumerate(base_rounds) if i not in busy], [r for i, r in enumerate(cand_rounds) if i not in busy])
+
     progress("numerics", 0, 2)
-    planned, index = rounds, 0
+    planned, target, index = rounds, rounds, 0
     while index < planned:
         inputs = round_inputs[index]
         order = ("baseline", "candidate") if index % 2 == 0 else ("candidate", "baseline")
         where = "the numerics check" if index == 0 else f"timing round {index}"
         phase = "numerics" if index == 0 else "timing"
-        sides: dict[str, SideRun] = {}
-        for side in order:
-            sides[side] = run_side(workloads[side], inputs, backend=backend, extra_env=extra_env, work_dir=work_dir, label=side)
-            failure = sides[side].run.failure
-            if index == 0:
-                progress("numerics", len(sides), 2)
-            if side == "baseline" and failure is not None:
-                raise _baseline_failed(where.removeprefix("the "), failure)
-            if side == "candidate":
-                early = conduct.check_protocol(sides[side].run, where)
-                if early:
-                    return verdict(VerdictReason.tampered_harness, early[0].message, phase, findings=early, failure=failure)
-                if failure is not None:
-                    return verdict(FAILURE_REASONS[failure.kind], _failure_message(failure, where), phase, failure=failure,
-                                   candidate_versions=sides[side].run.versions)
+        if pairing == "paired":
+            pair = run_pair((workloads[order[0]], workloads[order[1]]), inputs, backend=backend, extra_env=extra_env,
+                            work_dir=work_dir, orphans_to=order.index("candidate"))
+            sides = dict(zip(order, pair))
+        else:
+            sides = {}
+            for side in order:
+                sides[side] = run_side(workloads[side], inputs, backend=backend, extra_env=extra_env, work_dir=work_dir, label=side)
+                if sides[side].run.failure is not None:
+                    break
+        if index == 0:
+            progress("numerics", 2, 2)
+        failed = _failed_side(sides, where)
+        if failed is not None:
+            reason, message, findings = failed
+            return verdict(reason, message, phase, findings=findings, failure=sides["candidate"].run.failure,
+                           candidate_versions=sides["candidate"].run.versions)
         base, cand = sides["baseline"], sides["candidate"]
         state.update(baseline_versions=base.run.versions, candidate_versions=cand.run.versions)
         found = judge_conduct(base, cand, baseline.config.threads, where)
@@ -233,16 +284,22 @@ def run_gate(
         orders.append("AB" if order[0] == "baseline" else "BA")
         base_rounds.append(base.run.step_times_s)
         cand_rounds.append(cand.run.step_times_s)
-        progress("timing", index + 1, planned)
+        cores.append(base.run.watch.cores_used if base.run.watch is not None else None)
         index += 1
-        if index == rounds and max_rounds > rounds and wants_more_rounds(decide_speed(base_rounds, cand_rounds, min_gain, confidence)):
-            planned = max_rounds  # inconclusive, but a gain or loss of min_gain shows: the second look (stats.gate_decision)
+        state["busy_rounds"] = busy_rounds(cores, max_rounds)
+        kept = index - len(state["busy_rounds"])  # busy rounds are measured again (agents/profiler/quiet.py)
+        planned = index + max(0, target - kept)
+        if kept == rounds and target == rounds and max_rounds > rounds and wants_more_rounds(decide_speed(*_kept(), min_gain, confidence)):
+            target = max_rounds  # inconclusive, but a gain or loss of min_gain shows: the second look (stats.gate_decision)
+            planned = index + (target - kept)
+        progress("timing", index, planned)
         if index < planned:
             round_inputs.append(draw())
 
-    speed = gate_decision(base_rounds, cand_rounds, first=rounds, min_gain=min_gain, confidence=confidence)
+    speed = gate_decision(*_kept(), first=rounds, min_gain=min_gain, confidence=confidence)
     reason = _SPEED_REASONS[speed.outcome]
-    return verdict(reason, f"{speed.message}; {state['numerics'].message}", "done", speed=speed, ratio=speed.ratio,
+    busy_note = quiet.describe(cores, state["busy_rounds"], max_rounds)
+    return verdict(reason, f"{speed.message}{busy_note}; {state['numerics'].message}", "done", speed=speed, ratio=speed.ratio,
                    ratio_ci=(speed.ci_low, speed.ci_high))
 
 
@@ -262,9 +319,28 @@ def measure_drift(baseline: Workload, base: SideRun, inputs: RoundInputs, tolera
                      tolerance=widen_for_drift(tolerance, probe, timed, DRIFT_MARGIN))
 
 
+def _failed_side(sides: dict[str, SideRun], where: str) -> tuple[VerdictReason, str, list[Finding]] | None:
+    """The round's failure, if any: the baseline's own raises GateError (not the candidate's fault);
+    the candidate's becomes its typed rejection. A side stopped only because its partner failed
+    (`interrupted`) is not a failure of its own."""
+    base, cand = sides.get("baseline"), sides.get("candidate")
+    if base is not None and base.run.failure is not None and not base.run.interrupted:
+        raise _baseline_failed(where.removeprefix("the "), base.run.failure)
+    if cand is None:
+        return None
+    early = conduct.check_protocol(cand.run, where)
+    if early:
+        return VerdictReason.tampered_harness, early[0].message, early
+    failure = cand.run.failure
+    if failure is not None and not cand.run.interrupted:
+        return FAILURE_REASONS[failure.kind], _failure_message(failure, where), []
+    return None
+
+
 def judge_conduct(base: SideRun, cand: SideRun, threads: int, where: str) -> list[Finding]:
     """How the candidate behaved while judged, and gate-gaming signs in its probe (empty: clean)."""
-    findings = conduct.check_clock(cand.run, where)
+    findings = conduct.check_partner(base.run, cand.run, where)
+    findings += conduct.check_clock(cand.run, where)
     findings += conduct.check_replaced(base.run, cand.run, where)
     findings += conduct.check_resources(base.run, cand.run, threads, where)
     findings += conduct.check_written_files(set(base.written or []), cand.written or [], where)

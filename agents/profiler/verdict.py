@@ -56,6 +56,10 @@ class Verdict(BaseModel):
     baseline_rounds: list[list[float]] = Field(default_factory=list, description="measured step times (s) per round, baseline")
     candidate_rounds: list[list[float]] = Field(default_factory=list, description="measured step times (s) per round, candidate")
     round_order: list[str] = Field(default_factory=list, description="per round: 'AB' (baseline first) or 'BA'")
+    busy_rounds: list[int] = Field(default_factory=list, description="rounds left out of the decision and measured again: the "
+                                   "machine was busy (agents/profiler/quiet.py)")
+    pairing: Literal["paired", "sequential"] | None = Field(default=None, description="paired: both sides of a round alive at once, "
+                                                             "their steps alternated; sequential: one child after the other")
     ratio: float | None = Field(default=None, description="candidate/baseline step time; < 1 is faster")
     ratio_ci: tuple[float, float] | None = None
     speed: SpeedDecision | None = None

@@ -10,12 +10,22 @@ has already landed, is the run's own work.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from trainbridge.agents.profiler.verdict import VerdictReason
 from trainbridge.records import Intent
 from trainbridge.tools.git_ops import run_git
 
 _HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@")
+
+
+def verdict_landed(verdict: Mapping[str, Any]) -> bool:
+    """Whether a verdict record put its rewrite on the run: accepted, or numerics verified and
+    waiting on the pending NPU branch."""
+    return bool(verdict.get("accepted")) or verdict.get("reason") == VerdictReason.speed_unmeasured_numerics_ok.value
 
 
 def added_lines(worktree: Path, base_sha: str) -> dict[str, set[int]]:
@@ -38,3 +48,23 @@ def is_own_rewrite(intent: Intent, added: dict[str, set[int]], landed_categories
     if str(intent.category) not in landed_categories or not intent.spans:
         return False
     return all(set(range(span.line_start, span.line_end + 1)) <= added.get(span.file, set()) for span in intent.spans)
+
+
+@dataclass(frozen=True)
+class OwnRewriteSplit:
+    """An analysis's intents, parted into the ones still to work on and the run's own rewrites."""
+
+    kept: list[Intent]
+    own: list[Intent]
+
+
+def split_own_rewrites(intents: Iterable[Intent], head: Path, base_sha: str,
+                       verdicts: Iterable[Mapping[str, Any]]) -> OwnRewriteSplit:
+    """Part `intents` (found on the worktree `head`) by whether they lie on lines the run's landed
+    rewrites added since `base_sha`, in a category one of `verdicts` landed. Runs git only when
+    something landed."""
+    intents = list(intents)
+    landed = {str(v["category"]) for v in verdicts if verdict_landed(v)}
+    added = added_lines(head, base_sha) if landed else {}
+    own = [i for i in intents if is_own_rewrite(i, added, landed)]
+    return OwnRewriteSplit(kept=[i for i in intents if i not in own], own=own)

@@ -1,0 +1,23 @@
+"""Busy rounds: the baseline's steps got far fewer cores than on a quiet round, so the round's times
+are left out and it is measured again (agents/profiler/quiet.py)."""
+
+from __future__ import annotations
+
+from trainbridge.agents.profiler.quiet import BUSY_SHARE, busy_rounds, describe
+
+
+def test_rounds_whose_baseline_got_few_cores_are_busy_judged_against_the_quietest():
+    cores = [1.95, 1.30, 1.90, None, 1.97, 1.60]
+    assert busy_rounds(cores, planned=20) == [1]  # 1.30 < 0.75 * 1.97; 1.60 is not; None is never busy
+    assert busy_rounds([0.99, 0.98, 0.5], planned=20) == [2]  # one-thread workloads alike
+    assert busy_rounds([], planned=10) == [] and busy_rounds([None, None], planned=10) == []
+    assert busy_rounds([2.0, 2.0 * BUSY_SHARE], planned=10) == []  # exactly at the share: quiet enough
+
+
+def test_no_more_rounds_are_measured_again_than_half_the_plan_and_the_busiest_go_first():
+    cores = [2.0, 0.5, 0.9, 0.7, 1.0, 2.0]
+    assert busy_rounds(cores, planned=4) == [1, 3]  # two allowed of four planned: the two busiest
+    text = describe(cores, busy_rounds(cores, planned=4), planned=4)
+    assert "busy in 2 round(s), measured again, the most this gate re-measures" in text
+    assert "round 1 (0.50)" in text and "round 3 (0.70)" in text and "2.00 of a quiet round" in text
+    assert describe(cores, [], planned=4) == ""

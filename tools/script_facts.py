@@ -1,0 +1,202 @@
+"""What a Python file says about itself as a training script, read with `ast` (nothing is imported
+or run): whether it runs as a script (an ``if __name__ == "__main__"`` block, or loops and calls at
+module level), whether it builds an optimizer and calls ``.backward()``, how it takes its settings
+(argparse arguments, a nanoGPT-style ``configurator.py`` that turns ``--key=value`` and config files
+into module globals, a dataclass of hyperparameters), the constants one could shrink it by, and the
+path strings it reads.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_OPTIMIZER_CALL = re.compile(r"(?:^|\.)(?:[A-Z]\w*Optimizer|AdamW?|SGD|Adagrad|Adadelta|Adamax|NAdam|RAdam|RMSprop|"
+                             r"LBFGS|Rprop|SparseAdam|Muon|Lion|Adafactor|LAMB|Shampoo|Sophia)$")
+_OPTIMIZER_FACTORIES = ("configure_optimizers", "create_optimizer", "build_optimizer", "make_optimizer",
+                        "get_optimizer")
+_PATH_LIKE = re.compile(r"^(?:\./)?[\w.*-]+(?:/[\w.*-]*)+$|^[\w*-]+\.(?:bin|pkl|pt|pth|npy|npz|txt|json|jsonl|arrow|"
+                        r"parquet|model|safetensors|h5|csv|tar|idx)$")
+SIZE_NAMES = ("batch_size", "device_batch_size", "micro_batch_size", "total_batch_size", "gradient_accumulation_steps",
+              "block_size", "sequence_length", "seq_len", "max_seq_len", "context_length", "n_layer", "num_layers",
+              "n_layers", "depth", "n_head", "num_heads", "n_embd", "d_model", "hidden_size", "model_dim", "dim",
+              "vocab_size", "max_iters", "num_iterations", "max_steps", "train_steps", "iterations", "eval_iters",
+              "eval_interval", "val_steps", "warmup_iters", "epochs", "num_epochs", "compile")
+
+
+@dataclass(frozen=True)
+class SettingHint:
+    """A setting of the script one could override to shrink a run: a module-level constant, a field of
+    a hyperparameter dataclass, or an argparse option."""
+
+    name: str
+    value: str  # the default as written in the source
+    kind: str  # "constant" | "dataclass field" | "argparse option"
+    line: int
+
+
+@dataclass
+class ScriptFacts:
+    """One Python file, as `read_script_facts` found it."""
+
+    path: str  # repo-relative
+    main_guard: int | None = None  # line of `if __name__ == "__main__":`
+    module_level_code: bool = False  # loops or calls at module level: runs as a script without a guard
+    optimizer_lines: list[int] = field(default_factory=list)
+    backward_lines: list[int] = field(default_factory=list)
+    evaluates: bool = False  # .eval() / torch.no_grad() / inference_mode seen
+    uses_argparse: bool = False
+    uses_configurator: bool = False  # exec(open("configurator.py").read()) or similar
+    configurator_line: int | None = None  # settings are the constants above it (what it may override)
+    distributed: bool = False  # init_process_group / RANK in the environment
+    settings: list[SettingHint] = field(default_factory=list)
+    path_strings: list[tuple[str, int]] = field(default_factory=list)
+    imports: list[str] = field(default_factory=list)  # modules it imports (relative ones with their dots)
+    only_assignments: bool = False  # a config file: nothing but `name = literal` lines
+    syntax_error: str | None = None
+
+    @property
+    def runs_as_script(self) -> bool:
+        return self.main_guard is not None or self.module_level_code
+
+    @property
+    def trains(self) -> bool:
+        """Runs as a script, builds an optimizer and calls `.backward()`."""
+        return self.runs_as_script and bool(self.optimizer_lines) and bool(self.backward_lines)
+
+    def why_not_training(self) -> str:
+        """For a file that runs as a script but is no training script: what is missing."""
+        missing = [what for what, seen in (("builds no optimizer", self.optimizer_lines),
+                                           ("never calls .backward()", self.backward_lines)) if not seen]
+        extra = " (it only evaluates)" if self.evaluates and not self.backward_lines else ""
+        return " and ".join(missing) + extra
+
+
+def read_script_facts(root: Path, rel: str) -> ScriptFacts:
+    """Facts of the file `root/rel`; a file that does not parse gets `syntax_error` and nothing else."""
+    facts = ScriptFacts(path=rel)
+    try:
+        tree = ast.parse((root / rel).read_text(encoding="utf-8", errors="replace"), rel)
+    except (SyntaxError, ValueError) as exc:
+        facts.syntax_error = f"{rel}:{getattr(exc, 'lineno', '?')}: {exc.msg if isinstance(exc, SyntaxError) else exc}"
+        return facts
+    facts.only_assignments = bool(tree.body) and all(_is_literal_assignment(node) or _is_docstring(node)
+                                                     for node in tree.body)
+    for node in tree.body:
+        if _is_main_guard(node):
+            facts.main_guard = node.lineno
+        elif isinstance(node, (ast.For, ast.While, ast.With)) or (
+                isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
+            facts.module_level_code = True
+        _module_setting(node, facts)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            _read_call(node, facts)
+        elif isinstance(node, ast.Import):
+            facts.imports += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            facts.imports.append(base)
+            if node.module is None or node.level:  # `from . import engine`: the names may be modules
+                facts.imports += [f"{base}{'' if base.endswith('.') else '.'}{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _PATH_LIKE.match(node.value):
+            facts.path_strings.append((node.value, node.lineno))
+        elif isinstance(node, ast.ClassDef) and any(_decorator_name(d) == "dataclass" for d in node.decorator_list):
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.value is not None:
+                    facts.settings.append(SettingHint(item.target.id, ast.unparse(item.value), "dataclass field",
+                                                      item.lineno))
+        elif isinstance(node, ast.Subscript) and _is_environ(node.value) and _const(node.slice) in ("RANK", "LOCAL_RANK",
+                                                                                                 "WORLD_SIZE"):
+            facts.distributed = True
+    if facts.configurator_line is not None:  # constants set after the configurator ran are no settings
+        facts.settings = [s for s in facts.settings if s.kind != "constant" or s.line < facts.configurator_line]
+    return facts
+
+
+def _read_call(node: ast.Call, facts: ScriptFacts) -> None:
+    name = _dotted(node.func)
+    if name.endswith(".backward") or name == "backward":
+        facts.backward_lines.append(node.lineno)
+    elif _OPTIMIZER_CALL.search(name) or name.rsplit(".", 1)[-1] in _OPTIMIZER_FACTORIES:
+        facts.optimizer_lines.append(node.lineno)
+    elif name.endswith((".eval", "no_grad", "inference_mode")):
+        facts.evaluates = True
+    elif name in ("argparse.ArgumentParser", "ArgumentParser"):
+        facts.uses_argparse = True
+    elif name.endswith("add_argument") and node.args and isinstance(_const(node.args[0]), str):
+        flag = _const(node.args[0])
+        if flag.startswith("--"):
+            default = next((ast.unparse(k.value) for k in node.keywords if k.arg == "default"), "")
+            facts.settings.append(SettingHint(flag[2:].replace("-", "_"), default, "argparse option", node.lineno))
+    elif name in ("exec", "runpy.run_path") and "configurator" in ast.unparse(node):
+        facts.uses_configurator = True
+        facts.configurator_line = min(node.lineno, facts.configurator_line or node.lineno)
+    elif name.endswith("init_process_group"):
+        facts.distributed = True
+    elif name.endswith("path.join") and len(node.args) > 1 and isinstance(_const(node.args[0]), str):
+        facts.path_strings.append((_const(node.args[0]).rstrip("/") + "/", node.lineno))  # a folder the path is under
+
+
+def _module_setting(node: ast.stmt, facts: ScriptFacts) -> None:
+    if _is_literal_assignment(node):
+        target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+        facts.settings.append(SettingHint(target.id, ast.unparse(node.value), "constant", node.lineno))
+
+
+def _is_literal_assignment(node: ast.stmt) -> bool:
+    if isinstance(node, ast.Assign):
+        target, value = (node.targets[0] if len(node.targets) == 1 else None), node.value
+    elif isinstance(node, ast.AnnAssign):
+        target, value = node.target, node.value
+    else:
+        return False
+    return isinstance(target, ast.Name) and value is not None and _literal(value)
+
+
+def _literal(value: ast.expr) -> bool:
+    """A number, string, bool or None, or arithmetic of them (`8*64`, `6e-4`, `-1`)."""
+    if isinstance(value, ast.Constant):
+        return True
+    if isinstance(value, ast.UnaryOp):
+        return _literal(value.operand)
+    if isinstance(value, ast.BinOp):
+        return _literal(value.left) and _literal(value.right)
+    return False
+
+
+def _is_docstring(node: ast.stmt) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
+        return False
+    sides = [node.test.left, *node.test.comparators]
+    return any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides) and \
+        any(_const(s) == "__main__" for s in sides)
+
+
+def _is_environ(node: ast.expr) -> bool:
+    return _dotted(node).endswith("environ")
+
+
+def _decorator_name(node: ast.expr) -> str:
+    return _dotted(node.func if isinstance(node, ast.Call) else node).rsplit(".", 1)[-1]
+
+
+def _dotted(node: ast.expr) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        inner = _dotted(node.value)
+        return f"{inner}.{node.attr}" if inner else node.attr
+    if isinstance(node, ast.Call):
+        return _dotted(node.func)
+    return ""
+
+
+def _const(node: ast.expr):
+    return node.value if isinstance(node, ast.Constant) else None
