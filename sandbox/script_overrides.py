@@ -189,6 +189,8 @@ class _Rewriter(ast.NodeTransformer):
         for keyword in node.keywords:
             if keyword.arg:
                 self.plan.seen_names.add(f"{name}({keyword.arg})")
+        if name == "add_argument":  # argparse options: an override of one is written "--flag"
+            self.plan.seen_names.update(a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("-"))
         forced = self.plan.calls.get(name)
         if not forced:
             return node

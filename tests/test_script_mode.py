@@ -174,3 +174,10 @@ def test_likely_causes_come_from_the_source_and_from_seeds_that_differ_between_r
     causes = likely_causes("loader = DataLoader(ds, num_workers=4)\n", run("1700000000"), run("1700000001"))
     assert any("worker" in c for c in causes) and any("torch.manual_seed was called with 1700000000" in c for c in causes)
     assert likely_causes("torch.manual_seed(0)\n", run("0"), run("0")) == []
+
+
+def test_a_bare_name_meant_for_an_argparse_option_or_a_field_is_pointed_to_the_right_key():
+    source = "import argparse\nparser = argparse.ArgumentParser()\nparser.add_argument('--batch-size', type=int)\n" + SOURCE
+    _, plan = _run(source, {"batch_sise_": 4, "width": 2})
+    problems = plan.unmatched()
+    assert "--batch-size" in problems[0] and "Config.width" in problems[1]
