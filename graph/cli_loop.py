@@ -40,7 +40,7 @@ def run(
     final_rounds: int = typer.Option(6, help="Interleaved rounds of the closing comparison: original, final head and torch.compile of the original (0: a single plain measurement)."),
     category: Optional[list[str]] = typer.Option(None, "--category", help="Only intents of this category (repeatable)."),
     server: Optional[str] = typer.Option(None, "--server", help="Submit the run to the LangGraph server at this URL (`trainbridge serve`) instead of running it here; REPO and the other paths are read on the server's machine. Ctrl-C detaches, the run goes on."),
-    launch: Optional[list[str]] = typer.Argument(None, metavar="[-- LAUNCH...]", help="Script mode: the command the repository trains with, after `--`; it must match launch = \"...\" in the committed trainbridge.toml (the loop reads it from there)."),
+    launch: Optional[list[str]] = typer.Argument(None, metavar="[-- LAUNCH...]", help="Script mode: the command the repository trains with, after `--` (e.g. `-- python train.py --batch_size=4`); replaces trainbridge.toml's launch/entry/command for this run (a trainbridge.toml, when committed, still gives steps, data and overrides)."),
 ) -> None:
     """Run the whole loop on a repository: analyse, rewrite, gate, keep what is faster; leave a branch and a report.
 
@@ -51,14 +51,24 @@ def run(
     from trainbridge.graph.state import RunConfig
 
     repo = repo.resolve()
+    line = None
     if launch:
-        _check_launch_committed(repo, launch)
+        from trainbridge.graph.cli_inspect import launch_line
+        from trainbridge.sandbox.script_launch import LaunchError, parse_launch
+
+        line = launch_line(launch)
+        try:
+            parse_launch(line)
+        except LaunchError as exc:
+            _error(str(exc))
+            raise typer.Exit(2) from None
     name = run_id or default_run_id(repo.name)
     try:
         config = RunConfig(repo=str(repo), run_id=name, target=target, budget_s=parse_duration(budget), max_candidates=max_candidates,
                            review=review, reference_pack=str(reference.resolve()) if reference else None,
                            compile_reference=not no_reference, kb_url=kb_url, kb_dir=str(kb_dir) if kb_dir else None,
-                           min_gain=min_gain, gate_rounds=rounds, final_rounds=final_rounds, categories=category or None)
+                           min_gain=min_gain, gate_rounds=rounds, final_rounds=final_rounds, categories=category or None,
+                           launch=line)
     except ValueError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
@@ -82,33 +92,6 @@ def run(
         _error(f"run {name} stopped: {exc}\n(fix the cause, then: trainbridge resume {name})")
         raise typer.Exit(1) from None
     _report_outcome(outcome)
-
-
-def _check_launch_committed(repo: Path, launch: list[str]) -> None:
-    """`run <repo> -- LAUNCH`: the loop reads the workload from the run's worktrees, i.e. from the committed
-    trainbridge.toml, so the launch line must be the one written there (else say what to write)."""
-    from trainbridge.graph.cli_inspect import launch_line
-    from trainbridge.sandbox.script_launch import LaunchError, parse_launch
-    from trainbridge.sandbox.workload import WorkloadConfigError, load_workload
-
-    line = launch_line(launch)
-    try:
-        wanted = parse_launch(line)
-    except LaunchError as exc:
-        _error(str(exc))
-        raise typer.Exit(2) from None
-    try:
-        configured = load_workload(repo).config.launch
-    except WorkloadConfigError:
-        configured = None
-    same = configured is not None and (lambda have: (have.script, have.module, have.args))(parse_launch(configured)) == \
-        (wanted.script, wanted.module, wanted.args)
-    if not same:
-        _error(f"the loop runs what the committed trainbridge.toml says; write launch = {line!r} into {repo / 'trainbridge.toml'} "
-               f"(with data = [...] and [overrides] as needed), commit it, and run `trainbridge run {repo}` "
-               f"(found: {'launch = ' + repr(configured) if configured else 'no launch line'}). "
-               f"Try it first with: trainbridge measure {repo} -- {line}")
-        raise typer.Exit(2)
 
 
 def _stopping_errors() -> tuple[type[BaseException], ...]:

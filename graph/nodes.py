@@ -48,7 +48,7 @@ def prepare(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     if state.get("baseline_step_s") is None:
         ctx.say("measuring the baseline step")
         started = time.monotonic()
-        result = _measure(load_workload(workspace.worktree), ctx)
+        result = _measure(ctx.config.workload(workspace.worktree), ctx)
         if result.failure is not None:
             raise RunStopped(f"the unmodified program fails in the sandbox ({result.failure.kind}): {result.failure.message}")
         update["baseline_step_s"] = result.median_step_s()
@@ -77,7 +77,7 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     pending = npu_pending.pending_head(ctx, workspace)
     if pending is not None:
         head = npu_pending.pending_view(workspace, pending)  # emulated NPU: rewrites stack on the pending branch: analyse its head
-    analysis = analyze_repo(load_workload(head), backend=ctx.config.target, reference_pack=pack if first else None,
+    analysis = analyze_repo(ctx.config.workload(head), backend=ctx.config.target, reference_pack=pack if first else None,
                             compile_reference=ctx.config.compile_reference and first)
     done = set(state.get("done_intents", []))
     wanted = set(ctx.config.categories) if ctx.config.categories else None
@@ -204,7 +204,7 @@ def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     ctx.say(f"gate: {candidate.name} ({f'{ctx.config.gate_rounds} interleaved rounds' if measurable else 'numerics only: no NPU here'})")
     verdict = judge_candidate(workspace.worktree, Path(candidate.worktree), target=ctx.config.target,
                               recipe_numerics=recipe.numerics if recipe is not None else None, rounds=ctx.config.gate_rounds,
-                              max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain)
+                              max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain, launch=ctx.config.launch)
     return {"node": "profiler", "verdict": verdict.model_dump(mode="json"), "candidates_tried": (state.get("candidates_tried") or 0) + 1,
             PARTS_KEY: dict(verdict.phase_seconds)}
 
@@ -283,7 +283,7 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             comparison = _final_comparison(ctx, workspace, state["base_sha"])
         else:
             ctx.say("measuring the final branch head")
-            result = _measure(load_workload(workspace.worktree), ctx)
+            result = _measure(ctx.config.workload(workspace.worktree), ctx)
             final = result.median_step_s() if result.failure is None else None
         parts = {"final_comparison" if comparison else "final_measure": round(time.monotonic() - started, 3)}
     paths = write_report(state, ctx.config, ctx.paths.report, final_step_s=final, stop_reason=reason,
@@ -303,7 +303,7 @@ def _final_comparison(ctx: RunContext, workspace, base_sha: str) -> dict[str, An
     ctx.say(f"final comparison: {arms}, {ctx.config.final_rounds} interleaved rounds")
     original = detached_view(workspace, BASE_VIEW, base_sha)
     try:
-        result = compare_final(load_workload(original), load_workload(workspace.worktree), backend=ctx.config.target,
+        result = compare_final(ctx.config.workload(original), ctx.config.workload(workspace.worktree), backend=ctx.config.target,
                                rounds=ctx.config.final_rounds, with_compile=ctx.config.compile_reference)
     except FinalComparisonError as exc:
         ctx.say(f"no final comparison: {exc}")

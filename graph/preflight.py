@@ -19,7 +19,7 @@ def check_run_input(config: RunConfig, env: Mapping[str, str] | None = None) -> 
     """Raise RunInputError for input the run would fail on later; return notes worth showing. `env`:
     where the LLM settings are read (default os.environ, as the run reads them)."""
     from trainbridge.agents.coder.llm_config import LLMConfig, LLMConfigError
-    from trainbridge.sandbox.workload import CONFIG_FILE, WorkloadConfigError, load_workload
+    from trainbridge.sandbox.workload import CONFIG_FILE, WorkloadConfigError
     from trainbridge.tools.git_ops import GitOpsError, open_repo, run_git_status
 
     repo = Path(config.repo).expanduser()
@@ -33,18 +33,31 @@ def check_run_input(config: RunConfig, env: Mapping[str, str] | None = None) -> 
         raise RunInputError(str(exc)) from None
     toml = user.root / CONFIG_FILE
     committed = run_git_status(user.root, "show", f"HEAD:{CONFIG_FILE}", strip=False)
-    if not toml.is_file() and committed[0] != 0:
+    if not toml.is_file() and committed[0] != 0 and not config.launch:
         raise RunInputError(f"{toml} does not exist: write one that says how to run one training step (see the "
-                            "README's section on trainbridge.toml), commit it, and run again")
+                            "README's section on trainbridge.toml; `trainbridge init` writes one), commit it, and run "
+                            "again; or give the launch line: trainbridge run <repo> -- python train.py ...")
     try:
-        load_workload(user.root)  # the user's own file, so errors point at it (file:line)
+        workload = config.workload(user.root)  # the user's own file, so errors point at it (file:line)
     except WorkloadConfigError as exc:
         raise RunInputError(str(exc)) from None
-    if committed[0] != 0:
+    if workload.config.mode == "script":
+        from trainbridge.sandbox.script_launch import LaunchError
+        from trainbridge.sandbox.script_run import launch_problem
+
+        try:
+            problem = launch_problem(workload)
+        except LaunchError as exc:
+            problem = str(exc)
+        if problem:
+            raise RunInputError(problem)
+    if config.launch and not toml.is_file() and committed[0] != 0:
+        pass  # script mode from the command line, no trainbridge.toml: nothing more to check
+    elif committed[0] != 0:
         raise RunInputError(f"{toml} is not committed: the run starts from the last commit ({user.head_sha[:12]}), "
                             f"which has no {CONFIG_FILE}. Commit it (`git add {CONFIG_FILE} && git commit`) and run again")
-    if committed[1] != toml.read_text(encoding="utf-8"):
-        raise RunInputError(f"{toml} has uncommitted changes: the run starts from the last commit "
+    elif not toml.is_file() or committed[1] != toml.read_text(encoding="utf-8"):
+        raise RunInputError(f"{toml} has uncommitted changes (or was deleted): the run starts from the last commit "
                             f"({user.head_sha[:12]}), whose {CONFIG_FILE} differs. Commit the change (or "
                             f"`git stash` it) and run again")
     if config.reference_pack and not Path(config.reference_pack).is_file():

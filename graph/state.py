@@ -44,6 +44,15 @@ class RunConfig(BaseModel):
     categories: list[str] | None = Field(default=None, description="only these intent categories (None: all)")
     recipe_ids: list[str] | None = Field(default=None, description="only these recipes (None: all)")
     extra_recipe_dir: str | None = Field(default=None, description="more recipe files to load (e.g. a team's)")
+    launch: str | None = Field(default=None, description="script mode from `run <repo> -- LAUNCH`: this launch line replaces "
+                               "trainbridge.toml's launch/entry/command in every worktree (the file, when there is one, gives "
+                               "the other keys)")
+
+    def workload(self, root: Path):
+        """The workload at `root` (a worktree of the run) as this run runs it."""
+        from trainbridge.sandbox.workload import load_workload, workload_for_launch
+
+        return workload_for_launch(root, self.launch) if self.launch else load_workload(root)
 
     @property
     def gate_rounds_limit(self) -> int:

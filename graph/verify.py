@@ -130,7 +130,7 @@ def _verify(config, paths, availability, *, gate, rounds, min_gain, confidence, 
             continue
         outcome = _replay(workspace, commit, known, knowledge, backend=backend, gate=gate, confidence=confidence,
                           rounds=rounds or config.gate_rounds, min_gain=config.min_gain if min_gain is None else min_gain,
-                          say=say)
+                          say=say, workload=config.workload)
         decided[commit.sha] = outcome
         report.outcomes.append(outcome)
         _save_record(record_path, decided)
@@ -146,7 +146,7 @@ def _verify(config, paths, availability, *, gate, rounds, min_gain, confidence, 
 
 
 def _replay(workspace, commit, known: dict[str, dict], knowledge, *, backend: str, gate, confidence: float, rounds: int,
-            min_gain: float, say) -> ReplayOutcome:
+            min_gain: float, say, workload=load_workload) -> ReplayOutcome:
     from trainbridge.agents.profiler.gate import GateError, run_gate
     from trainbridge.sandbox.workload import load_workload
     from trainbridge.tools.git_ops import NothingToAccept
@@ -180,7 +180,7 @@ def _replay(workspace, commit, known: dict[str, dict], knowledge, *, backend: st
     tolerance = _tolerance(knowledge, meta.get("recipe_id"))
     say(f"gate: {name} on {backend}, {rounds} interleaved rounds")
     try:
-        verdict = (gate or run_gate)(load_workload(workspace.worktree), load_workload(Path(cand.path)), backend=backend,
+        verdict = (gate or run_gate)(workload(workspace.worktree), workload(Path(cand.path)), backend=backend,
                                      rounds=rounds, min_gain=min_gain, tolerance=tolerance, emulated_speed=False,
                                      confidence=confidence)
     except GateError as exc:

@@ -46,20 +46,13 @@ def prepare(workload: Workload, *, backend: str, mode: str, tmp_dir: Path, extra
     """The request and the working directory of one script-mode run, or the Failure that stops it before it starts."""
     config = workload.config
     spec = parse_launch(config.launch or "")
-    if spec.multi_process:
-        return Failure(kind=FailureKind.bad_workload, message=f"launch line {spec.line!r}: multi-process launches ({spec.launcher}) are "
-                       "not supported yet in script mode; run one process for now: launch = \"python "
-                       f"{spec.script or '-m ' + (spec.module or '')} ...\"")
+    problem = launch_problem(workload)
+    if problem:
+        return Failure(kind=FailureKind.bad_workload, message=problem)
     if mode not in SCRIPT_MODES:
         return Failure(kind=FailureKind.bad_workload, message=f"harness mode {mode!r} is not available in script mode yet; script "
                        "mode measures, gates and profiles the eager step. For the torch.compile reference, run the analysis "
                        "with --no-reference, or add an entry = \"module:function\" to trainbridge.toml (precise mode)")
-    if spec.script is not None:
-        script = workload.root / spec.script
-        if not script.is_file():
-            near = sorted(p.name for p in workload.root.glob("*.py"))[:8]
-            return Failure(kind=FailureKind.bad_workload, message=f"script {spec.script!r} of launch line {spec.line!r} not found in "
-                           f"{workload.root}" + (f" (Python files there: {', '.join(near)})" if near else ""))
     try:
         run_dir = make_run_dir(workload.root, config.data, tmp_dir / "cwd")
     except DataPathError as exc:
@@ -68,6 +61,19 @@ def prepare(workload: Workload, *, backend: str, mode: str, tmp_dir: Path, extra
                "pythonpath": config.pythonpath, "backend": backend, "seed": config.seed, "threads": config.threads,
                "protected": [str(p) for p in run_dir.protected], **(extra_request or {})}
     return ScriptSetup(request=request, run_dir=run_dir, spec=spec, data_before=snapshot(list(run_dir.data_sources.values())))
+
+
+def launch_problem(workload: Workload) -> str | None:
+    """Why the workload's launch line cannot run here, before anything starts (None: it can)."""
+    spec = parse_launch(workload.config.launch or "")
+    if spec.multi_process:
+        return (f"launch line {spec.line!r}: multi-process launches ({spec.launcher}) are not supported yet in script mode; run one "
+                f"process for now: launch = \"python {spec.script or '-m ' + (spec.module or '')} ...\"")
+    if spec.script is not None and not (workload.root / spec.script).is_file():
+        near = sorted(p.name for p in workload.root.glob("*.py"))[:8]
+        return (f"script {spec.script!r} of launch line {spec.line!r} not found in {workload.root}"
+                + (f" (Python files there: {', '.join(near)})" if near else ""))
+    return None
 
 
 def finish(result: RunResult, setup: ScriptSetup, closing: dict[str, Any] | None, timeout_s: float) -> RunResult:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.script_mode_support import commit_all, git
+from trainbridge.tests.script_mode_support import commit_all, git
 from trainbridge.sandbox.script_files import DataPathError, make_run_dir, user_checkout
 from trainbridge.sandbox.script_seeds import derive_seed
 from trainbridge.sandbox.script_launch import LaunchError, parse_launch

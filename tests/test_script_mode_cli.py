@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.script_mode_support import nanogpt_repo, script_repo
+from trainbridge.tests.script_mode_support import commit_all, nanogpt_repo, script_repo
 
 
 def trainbridge(*args: str) -> subprocess.CompletedProcess:
@@ -33,8 +33,10 @@ def test_measure_with_a_bad_launch_line_exits_2_with_the_reason(tmp_path):
     assert literal.returncode == 1 and "before its first optimizer step" in literal.stderr
 
 
-def test_run_with_a_launch_line_not_in_the_committed_toml_says_what_to_write(tmp_path):
-    repo = script_repo(tmp_path / "repo", "never_steps.py", 'launch = "python train.py --a=1"\n')
-    done = trainbridge("run", str(repo), "--", "python", "train.py", "--a=2")
-    assert done.returncode == 2
-    assert "write launch = 'python train.py --a=2'" in " ".join(done.stderr.split())
+def test_run_with_a_launch_line_checks_it_before_anything_of_the_run_exists(tmp_path):
+    repo = script_repo(tmp_path / "repo", "never_steps.py", "timeout_s = 60\n")
+    commit_all(repo)
+    done = trainbridge("run", str(repo), "--", "bash", "run.sh")
+    assert done.returncode == 2 and "not 'bash'" in done.stderr
+    done = trainbridge("run", str(repo), "--", "python", "missing.py")
+    assert done.returncode == 2 and "missing.py" in done.stderr, done.stderr

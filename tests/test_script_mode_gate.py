@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.script_mode_support import nanogpt_repo
+from trainbridge.tests.script_mode_support import nanogpt_repo
 from trainbridge.agents.profiler.gate import RoundInputs, judge_conduct, judge_timed, run_gate, run_pair, run_side
 from trainbridge.agents.profiler.numerics import compare_numerics
 from trainbridge.sandbox.workload import load_workload
@@ -87,8 +87,6 @@ def test_a_pair_whose_candidate_cannot_start_reports_both_sides(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="agents/profiler/gate.py refuses every mode but entry (`if baseline.config.mode != "
-                   "\"entry\"`); with that check reading `== \"command\"` the gate judges script mode unchanged (lead's file)")
 def test_run_gate_judges_a_script_mode_copy_with_matching_numerics(tmp_path):
     baseline, candidate = _pair(tmp_path)
     verdict = run_gate(baseline, candidate, rounds=2, steps_per_round=2, numerics_steps=2, rng=random.Random(1))

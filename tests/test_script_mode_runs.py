@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.script_mode_support import git, nanogpt_repo, script_repo, stdout_lines
+from trainbridge.tests.script_mode_support import git, nanogpt_repo, script_repo, stdout_lines
 from trainbridge.sandbox.results import FailureKind
 from trainbridge.sandbox.runner import run_workload
 from trainbridge.sandbox.script_seeds import derive_seed

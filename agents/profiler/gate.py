@@ -185,10 +185,10 @@ def run_gate(
     if rounds < 1 or max_rounds < rounds or numerics_steps < 1 or batch_index_range < numerics_steps:
         raise GateError(f"need rounds >= 1 (got {rounds}), max_rounds >= rounds (got {max_rounds}), numerics_steps >= 1 (got {numerics_steps}) and "
                         f"batch_index_range >= numerics_steps (got {batch_index_range})")
-    if baseline.config.mode != "entry":
-        raise GateError(f"{baseline.root}: the gate checks numerics through entry = \"module:function\" in trainbridge.toml; "
-                        "command-mode workloads give no access to gradients. Add an entry function (see README, "
-                        "'The workload contract').")
+    if baseline.config.mode == "command":
+        raise GateError(f"{baseline.root}: the gate checks numerics through the gradients of the training step; command-mode "
+                        "workloads give no access to them. Use launch = \"python train.py ...\" (script mode) or entry = "
+                        "\"module:function\" in trainbridge.toml (see README, 'The workload contract').")
     started = time.monotonic()
     rng = rng or random.SystemRandom()
     tolerance = tolerance or NumericsTolerance()

@@ -12,7 +12,7 @@ from trainbridge.agents.profiler.gate import run_gate
 from trainbridge.agents.profiler.numerics import NumericsTolerance
 from trainbridge.agents.profiler.verdict import Verdict
 from trainbridge.sandbox.backends import npu_emulated
-from trainbridge.sandbox.workload import load_workload
+from trainbridge.sandbox.workload import load_workload, workload_for_launch
 
 
 def tolerance_for(numerics) -> NumericsTolerance:
@@ -34,8 +34,13 @@ def speed_measurable(target: str) -> bool:
 
 
 def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, recipe_numerics=None, rounds: int,
-                    max_rounds: int | None, min_gain: float) -> Verdict:
-    """The gate's verdict on the candidate worktree against the baseline worktree."""
+                    max_rounds: int | None, min_gain: float, launch: str | None = None) -> Verdict:
+    """The gate's verdict on the candidate worktree against the baseline worktree (`launch`: the
+    run's script-mode launch line, when it gave one on the command line)."""
     tolerance = tolerance_for(recipe_numerics) if recipe_numerics is not None else None
-    return run_gate(load_workload(baseline_root), load_workload(candidate_root), backend=target, rounds=rounds,
+
+    def workload(root: Path):
+        return workload_for_launch(root, launch) if launch else load_workload(root)
+
+    return run_gate(workload(baseline_root), workload(candidate_root), backend=target, rounds=rounds,
                     max_rounds=max_rounds, min_gain=min_gain, tolerance=tolerance, emulated_speed=not speed_measurable(target))
