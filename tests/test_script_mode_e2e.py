@@ -31,7 +31,7 @@ def test_init_then_run_lands_a_verified_rewrite_on_an_unmodified_script(tmp_path
     init = trainbridge("init", ".", "--yes", cwd=repo, env=env)
     assert init.returncode == 0, init.stderr
     toml = (repo / "trainbridge.toml").read_text(encoding="utf-8")
-    assert 'launch = "python train.py"' in toml and 'data = ["data/"]' in toml and "it runs: median step" in init.stdout
+    assert 'launch = "python train.py"' in toml and 'data = ["data/"]' in toml and "it runs: median step" in init.stdout + init.stderr
     git(repo, "add", "trainbridge.toml")
     git(repo, "commit", "-q", "-m", "trainbridge.toml from trainbridge init")
     head, status = git(repo, "rev-parse", "HEAD"), git(repo, "status", "--porcelain")
