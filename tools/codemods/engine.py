@@ -17,6 +17,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProv
 
 from trainbridge.knowledge.schema import Recipe
 from trainbridge.records import SourceSpan
+from trainbridge.tools.codemods import scopes
 from trainbridge.tools.codemods import statements as stmts
 from trainbridge.tools.codemods.definitions import DefinitionError, insert_definitions
 from trainbridge.tools.codemods.imports import parse_import_line
@@ -219,8 +220,7 @@ def _apply_semantic(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
     attributes = [str(a) for a in params.get("attributes", []) or []]
     function, owner = _find_scope(module, positions, span, scope)
     if function is None:
-        what = "class with a forward method" if scope == "module_forward" else "function"
-        raise CodemodRefused(f"no {what} overlaps {span} for recipe {recipe.id}")
+        raise _no_scope(module, positions, span, scope, recipe)
     arg_names = [p.name.value for p in function.params.params]
     if scope == "module_forward":
         arg_names = arg_names[1:]  # self
@@ -248,18 +248,19 @@ def _apply_semantic(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
 
 
 def _find_scope(module: cst.Module, positions, span: SourceSpan, scope: str):
-    def overlaps(node) -> bool:
-        position = positions[node]
-        return position.start.line <= span.line_end and span.line_start <= position.end.line
+    """(function, owning class) for the scope that holds the span, at any depth (methods, nested
+    functions, classes inside functions); (None, None) when there is none."""
+    found = scopes.module_forward(module, positions, span) if scope == "module_forward" \
+        else scopes.innermost_function(module, positions, span)
+    if found is None:
+        return None, None
+    return found.function, found.owner
 
-    for statement in module.body:
-        if scope == "module_forward" and isinstance(statement, cst.ClassDef) and overlaps(statement):
-            for item in statement.body.body:
-                if isinstance(item, cst.FunctionDef) and item.name.value == "forward" and (overlaps(item) or overlaps(statement)):
-                    return item, statement
-        if scope == "function" and isinstance(statement, cst.FunctionDef) and overlaps(statement):
-            return statement, None
-    return None, None
+
+def _no_scope(module: cst.Module, positions, span: SourceSpan, scope: str, recipe: Recipe) -> CodemodRefused:
+    what = "class with a forward method" if scope == "module_forward" else "function or method"
+    return CodemodRefused(f"no {what} overlaps {span} for recipe {recipe.id}: "
+                          f"{scopes.describe_position(module, positions, span)}")
 
 
 def _self_attributes(owner: cst.ClassDef) -> set[str]:
@@ -341,15 +342,45 @@ def _apply_decorate(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
         raise CodemodRefused(f"recipe {recipe.id}: params.scope must be 'function' or 'module_forward', not {scope!r}")
     function, _ = _find_scope(module, positions, span, scope)
     if function is None:
-        what = "class with a forward method" if scope == "module_forward" else "function"
-        raise CodemodRefused(f"no {what} overlaps {span} for recipe {recipe.id}")
+        raise _no_scope(module, positions, span, scope, recipe)
     decorator = render_expression(recipe.replacement, {}, module)
     if any(equal(d.decorator, decorator) for d in function.decorators):
         raise CodemodRefused(f"{function.name.value} in {span} is already decorated with {recipe.replacement}")
+    why_not = _why_not_compiled(module, function)
+    if why_not:
+        raise CodemodRefused(f"{function.name.value} (line {positions[function].start.line}) holds {span} but {why_not}; "
+                             f"recipe {recipe.id} does not apply there")
     new_function = function.with_changes(decorators=[*function.decorators, cst.Decorator(decorator=decorator)])
     position = positions[function]
     site = SourceSpan(file=span.file, line_start=position.start.line, line_end=position.end.line, function=function.name.value)
     return _replace_nodes(module, {function: new_function}), [site]
+
+
+_COMPILE_DECORATORS = ("torch.compile", "compile", "_tb_npu_compile", "torch.jit.script")
+
+
+def _why_not_compiled(module: cst.Module, function: cst.FunctionDef) -> str | None:
+    """Why decorating `function` with a compile would be wrong, or None."""
+    name = function.name.value
+    if name == "__init__" or (name.startswith("__") and name.endswith("__") and name != "__call__"):
+        return f"it is the special method {name}, which builds state rather than computing the step"
+    for d in function.decorators:
+        target = d.decorator.func if isinstance(d.decorator, cst.Call) else d.decorator
+        if module.code_for_node(target).strip() in _COMPILE_DECORATORS:
+            return f"it is already compiled (@{module.code_for_node(d.decorator).strip()})"
+    if function.asynchronous is not None:
+        return "it is a coroutine"
+    generator = []
+
+    class Visitor(cst.CSTVisitor):
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+            return node is function  # yields of nested functions are theirs
+
+        def visit_Yield(self, node: cst.Yield) -> None:
+            generator.append(node)
+
+    function.visit(Visitor())
+    return "it is a generator (yield)" if generator else None
 
 
 # --- imports ------------------------------------------------------------------------------------
