@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 import libcst as cst
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
-from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider
+from libcst.metadata import MetadataWrapper, PositionProvider
 
 from trainbridge.knowledge.schema import Recipe
 from trainbridge.records import SourceSpan
 from trainbridge.tools.codemods import scopes
+from trainbridge.tools.codemods.calls import CallRefused, apply_call
 from trainbridge.tools.codemods import statements as stmts
 from trainbridge.tools.codemods.definitions import DefinitionError, insert_definitions
 from trainbridge.tools.codemods.imports import parse_import_line
@@ -61,7 +62,10 @@ def apply_recipe(source: str, recipe: Recipe, span: SourceSpan) -> Edit:
         if kind == "expression":
             new_module, sites = _apply_expression(wrapper, recipe, span)
         elif kind == "call":
-            new_module, sites = _apply_call(wrapper, recipe, span)
+            try:
+                new_module, sites, notes = apply_call(wrapper, recipe, span)
+            except CallRefused as refused:
+                raise CodemodRefused(refused.reason, refused.close) from None
         elif kind == "semantic":
             new_module, sites = _apply_semantic(wrapper, recipe, span)
         elif kind == "statements":
@@ -73,7 +77,8 @@ def apply_recipe(source: str, recipe: Recipe, span: SourceSpan) -> Edit:
         new_module = _add_imports(new_module, recipe.imports)
         define = recipe.match.params.get("define")
         if define:
-            new_module, notes = insert_definitions(new_module, str(define))
+            new_module, defined = insert_definitions(new_module, str(define))
+            notes = notes + defined
     except (PatternError, TemplateError, DefinitionError) as exc:
         raise CodemodRefused(f"recipe {recipe.id}: {exc}") from None
     return Edit(source=new_module.code, sites=sites, notes=notes)
@@ -145,68 +150,7 @@ def _replace_nodes(module: cst.Module, replacements: dict) -> cst.Module:
     return module.visit(_NodeReplacer(replacements))
 
 
-# --- call ---------------------------------------------------------------------------------------
-
-
-class _CallFinder(cst.CSTVisitor):
-    METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
-
-    def __init__(self, func: str, span: SourceSpan):
-        self.func, self.span = func, span
-        self.found: list[tuple[cst.Call, SourceSpan]] = []
-
-    def visit_Call(self, node: cst.Call) -> None:
-        position = self.get_metadata(PositionProvider, node)
-        if not (self.span.line_start <= position.start.line <= self.span.line_end):
-            return
-        names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
-        if self.func in names:
-            self.found.append((node, SourceSpan(file=self.span.file, line_start=position.start.line, line_end=position.end.line)))
-
-
-def _apply_call(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
-    params = recipe.match.params
-    finder = _CallFinder(str(params["func"]), span)
-    wrapper.visit(finder)
-    module = wrapper.module
-    required = dict(params.get("kwargs", {}) or {})
-    dropped = set(params.get("drop_kwargs", []) or [])
-    absent = list(params.get("absent_kwargs", []) or [])
-    candidates, misses = [], []
-    for call, site in finder.found:
-        given = {arg.keyword.value: arg.value for arg in call.args if arg.keyword is not None}
-        wrong = [k for k, v in required.items() if k not in given or not _literal_equals(given[k], v)]
-        if wrong:
-            misses.append(f"{site}: {module.code_for_node(call).strip()[:160]} (needs {', '.join(f'{k}={required[k]!r}' for k in wrong)})")
-            continue
-        present = [k for k in absent if k in given]
-        if present or any(arg.star for arg in call.args if arg.keyword is None and arg.star == "**"):
-            why = f"already passes {', '.join(present)}" if present else "passes **kwargs, which may hold " + ", ".join(absent)
-            misses.append(f"{site}: {module.code_for_node(call).strip()[:160]} ({why})")
-            continue
-        candidates.append((call, site))
-    if not candidates:
-        raise CodemodRefused(f"no call of {params['func']} in {span} fits recipe {recipe.id}", misses)
-    if len(candidates) > 1:
-        raise CodemodRefused(f"recipe {recipe.id} matches {len(candidates)} calls in {span}; narrow the span",
-                             [str(site) for _, site in candidates])
-    call, site = candidates[0]
-    kept = [arg for arg in call.args if arg.keyword is None or arg.keyword.value not in dropped]
-    args_code = ", ".join(module.code_for_node(arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)).strip() for arg in kept)
-    bindings: Bindings = {"func": call.func}
-    text = recipe.replacement.replace("$args", "\0ARGS\0").replace("${args}", "\0ARGS\0")
-    rendered = render_expression(text, bindings, module, raw={"\0ARGS\0": args_code})
-    return _replace_nodes(module, {call: rendered}), [site]
-
-
-def _literal_equals(node: cst.BaseExpression, value) -> bool:
-    if isinstance(value, bool) or value is None:
-        return isinstance(node, cst.Name) and node.value == repr(value)
-    if isinstance(value, (int, float)):
-        return isinstance(node, (cst.Integer, cst.Float)) and float(node.evaluated_value) == float(value)
-    if isinstance(value, str):
-        return isinstance(node, cst.SimpleString) and node.evaluated_value == value
-    return False
+# --- call: see calls.py ------------------------------------------------------------------------
 
 
 # --- semantic (module forward / function) -------------------------------------------------------
@@ -346,6 +290,10 @@ def _apply_decorate(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
     decorator = render_expression(recipe.replacement, {}, module)
     if any(equal(d.decorator, decorator) for d in function.decorators):
         raise CodemodRefused(f"{function.name.value} in {span} is already decorated with {recipe.replacement}")
+    only = [str(f) for f in params.get("functions", []) or []]
+    if only and function.name.value not in only:
+        raise CodemodRefused(f"{span} lies in {function.name.value}(), not in {' / '.join(only)}: recipe {recipe.id} "
+                             f"compiles only {' / '.join(only)}")
     why_not = _why_not_compiled(module, function)
     if why_not:
         raise CodemodRefused(f"{function.name.value} (line {positions[function].start.line}) holds {span} but {why_not}; "
