@@ -109,6 +109,16 @@ CASES: list[Case] = [
     Case("attention-sdpa-npu-fusion", "real_speedrun", "npu", "attention", scan_target="npu"),  # SDPA on transposed views, in a method
     Case("attention-sdpa-npu-fusion", "real_package", "npu", "attention", scan_target="npu"),
     Case("compile-regional", "real_speedrun", "cpu", function="train_gpt.py:MLP.forward", slow=True),  # a method
+    Case("rmsnorm-statements-f-rms-norm", "real_hf", "cpu", "rmsnorm"),  # upcast norm, self.scale / self.tiny
+    Case("rmsnorm-statements-npu-rms-norm", "real_hf", "npu", "rmsnorm"),
+    Case("rmsnorm-normalize-f-rms-norm", "real_hf", "cpu", "rmsnorm", nth=1),  # F.normalize(x) * sqrt(d) * g
+    Case("rmsnorm-normalize-npu-rms-norm", "real_hf", "npu", "rmsnorm", nth=1),
+    Case("cross-entropy-library-npu", "real_speedrun", "npu", "cross_entropy", scan_target="npu"),  # soft-capped fp32
+    Case("cross-entropy-library-npu", "real_hf", "npu", "cross_entropy", scan_target="npu"),  # loss() method
+    Case("rope-chunk-npu-rotary-mul", "real_speedrun", "npu", "rope"),  # chunk halves, y1 = x1 c + x2 s
+    Case("permute-reshape-npu-confusion-transpose", "real_speedrun", "npu", "permute_reshape"),  # reshape(B, T, -1)
+    Case("rope-chunk-npu-rotary-mul", "real_speedrun", "npu", "rope", expect="diverges",
+         mutate=("-torch.cat(($s, $s)", "torch.cat(($s, $s)")),  # the rotation's direction: r2 = -sin
     # --- the documented traps, each put back into a recipe: the numerics check must reject them ----
     Case("attention-sdpa-masked", "variant_clip", "cpu", "attention", expect="diverges",
          mutate=("attn_mask=torch.logical_not($m)", "attn_mask=$m")),  # SDPA's True = keep
