@@ -88,17 +88,21 @@ def _contains(lines: tuple[int, int], span: SourceSpan) -> bool:
 
 
 def innermost_function(module: cst.Module, positions, span: SourceSpan) -> Scope | None:
-    """The deepest definition containing the span; else, of those overlapping it, the deepest
-    (``forward`` first, then the first in the file)."""
+    """The deepest definition containing the span; but when the span covers a class's methods (a
+    class defined inside that definition, or at module level), one of those methods: ``forward``
+    first, then the first in the file."""
     scopes = definitions(module)
     containing = [s for s in scopes if _contains(_lines(positions, s.function), span)]
-    if containing:
-        return max(containing, key=lambda s: s.depth)
+    holder = max(containing, key=lambda s: s.depth) if containing else None
     overlapping = [s for s in scopes if _overlaps(_lines(positions, s.function), span)]
-    if not overlapping:
+    methods = [s for s in overlapping if s.owner is not None and (holder is None or s.depth > holder.depth)]
+    if holder is not None and not methods:
+        return holder
+    pool = methods or overlapping
+    if not pool:
         return None
-    deepest = max(s.depth for s in overlapping)
-    level = [s for s in overlapping if s.depth == deepest]
+    level = [s for s in pool if s.depth == min(p.depth for p in pool)] if methods else \
+        [s for s in pool if s.depth == max(p.depth for p in pool)]
     forward = [s for s in level if s.function.name.value == "forward"]
     return (forward or level)[0]
 

@@ -109,7 +109,7 @@ def redundant_cast(ctx: Ctx, e: Expr) -> Found | None:
         ctx.core.append(outer)
         return Found(0.3, f"an fp32 cast of torch.{inner.op}(...), which already makes the default float dtype (float32)")
     if isinstance(target, tuple):
-        base, path = _through_exact_ops(outer.args[0])
+        base, path = _through_exact_ops(ctx, outer.args[0])
         up = _cast_target(base) if path else None
         if up in ("float32", "float64") and same(base.args[0], target[1]):
             ctx.core += [outer, base]
@@ -124,13 +124,14 @@ def _default_float_factory(x: Expr) -> bool:
             and (x.callee or "").startswith("torch."))
 
 
-def _through_exact_ops(e: Expr, limit: int = 8) -> tuple[Expr, list[Expr]]:
-    """The expression under a chain of exact ops (views, permutes, neg, slicing), and the chain."""
-    x, path = peek(e), []
+def _through_exact_ops(ctx: Ctx, e: Expr, limit: int = 8) -> tuple[Expr, list[Expr]]:
+    """The expression under a chain of exact ops (views, permutes, neg, slicing), and the chain
+    (the definitions it goes through are recorded: the finding spans them)."""
+    x, path = follow(ctx, e), []
     for _ in range(limit):
         if (x.kind == "call" and x.op in _EXACT_OPS and x.args) or (x.kind == "subscript" and x.args):
             path.append(x)
-            x = peek(x.args[0])
+            x = follow(ctx, x.args[0])
         else:
             break
     return x, path
