@@ -299,3 +299,25 @@ def test_normalize_times_sqrt_d_is_rms_norm_but_another_scale_is_not():
     assert "torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=1e-24 / x.shape[-1]) * g" in edit.source
     with pytest.raises(CodemodRefused, match="no expression"):
         _apply("rmsnorm-normalize-f-rms-norm", source.replace("math.sqrt(x.shape[-1])", "2.0"), "return F.normalize")
+
+
+def test_rotate_half_under_another_name_is_accepted_only_for_its_body():
+    source = _src('''
+        import torch
+        from torch import nn
+
+
+        class Rotary(nn.Module):
+            @staticmethod
+            def _swap_halves(x):
+                half = x.shape[-1] // 2
+                return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+            def forward(self, q, cos, sin):
+                return q * cos + Rotary._swap_halves(q) * sin
+    ''')
+    edit = _apply("rope-npu-rotary-mul", source, "return q * cos")
+    assert "return torch_npu.npu_rotary_mul(q, _tb_rope_table(cos, q), _tb_rope_table(sin, q), rotary_mode=\"half\")" in edit.source
+    other_way = source.replace("torch.cat((-x[..., half:], x[..., :half]), dim=-1)", "torch.cat((x[..., half:], -x[..., :half]), dim=-1)")
+    with pytest.raises(CodemodRefused, match=r"_swap_halves\(\) computes something else"):
+        _apply("rope-npu-rotary-mul", other_way, "return q * cos")

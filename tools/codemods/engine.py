@@ -122,6 +122,12 @@ def _apply_expression(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan
     finder = _ExpressionFinder(_patterns(recipe), span)
     wrapper.visit(finder)
     module = wrapper.module
+    helper_misses: list[str] = []
+    if recipe.match.params.get("helpers"):
+        finder.found, helper_misses = _check_helpers(module, finder.found, dict(recipe.match.params["helpers"]))
+    if not finder.found and helper_misses:
+        raise CodemodRefused(f"recipe {recipe.id} matches in {span}, but a helper it calls is not the one it needs: "
+                             f"{helper_misses[0]}", helper_misses)
     if not finder.found:
         raise CodemodRefused(f"no expression in {span} matches recipe {recipe.id}", _closest(module, finder.in_span))
     if len(finder.found) > 1 and not recipe.match.params.get("all_in_span", False):
@@ -130,6 +136,40 @@ def _apply_expression(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan
                              "narrow the span or mark the recipe all_in_span")
     replacements = {node: render_expression(recipe.replacement, bindings, module) for node, bindings, _ in finder.found}
     return _replace_nodes(module, replacements), [site for _, _, site in finder.found]
+
+
+def _check_helpers(module: cst.Module, found, helpers: dict) -> tuple[list, list[str]]:
+    """Keep the matches whose helper metavariables (``params.helpers``: name -> statement patterns of
+    the helper's body) name a function or method of this file whose body is one of those forms
+    (``TinyRotary._swap_halves(q)``, ``self.rotate(x)``, ``rotate_half(x)``)."""
+    defs = scopes.definitions(module)
+    kept, misses = [], []
+    for node, bindings, site in found:
+        ok = True
+        for name, forms in helpers.items():
+            callee = bindings.get(name)
+            ident = callee.value if isinstance(callee, cst.Name) else callee.attr.value if isinstance(callee, cst.Attribute) else None
+            candidates = [d for d in defs if ident is not None and d.function.name.value == ident]
+            if not candidates:
+                misses.append(f"{site}: {module.code_for_node(callee).strip() if callee else name} is not defined in this file")
+                ok = False
+                break
+            if not any(_body_is(d.function, forms) for d in candidates):
+                misses.append(f"{site}: {ident}() computes something else than {str(list(forms)[0]).splitlines()[-1].strip()}")
+                ok = False
+                break
+        if ok:
+            kept.append((node, bindings, site))
+    return kept, misses
+
+
+def _body_is(function: cst.FunctionDef, forms) -> bool:
+    body = [s for s in function.body.body if not _docstring(function) or s is not _docstring(function)[0]]
+    for form in ([forms] if isinstance(forms, str) else list(forms)):
+        slots = stmts.sequences({"pattern": str(form)})[0]
+        if len(slots) == len(body) and any(True for _ in stmts.match_sequence(slots, body)):
+            return True
+    return False
 
 
 def _closest(module: cst.Module, candidates: list[tuple[cst.BaseExpression, SourceSpan]], limit: int = 3) -> list[str]:

@@ -147,6 +147,12 @@ def _match_from(slots: list[Slot], body, start: int, bindings: Bindings):
             yield from _match_from(slots[1:], body, start + 1, got)
 
 
+def match_sequence(slots: list[Slot], body: list[cst.BaseStatement]):
+    """Bindings for each way ``slots`` match ``body`` from its first statement."""
+    for bindings, _ in _match_from(slots, body, 0, {}):
+        yield bindings
+
+
 def find(module: cst.Module, positions, slots: list[Slot], span: SourceSpan, slack: int) -> tuple[list[Found], list[str]]:
     found: list[Found] = []
     near: list[str] = []
