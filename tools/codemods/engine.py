@@ -148,10 +148,12 @@ def _check_helpers(module: cst.Module, found, helpers: dict) -> tuple[list, list
         ok = True
         for name, forms in helpers.items():
             callee = bindings.get(name)
+            if callee is None:
+                continue  # matched by a form that names no helper
             ident = callee.value if isinstance(callee, cst.Name) else callee.attr.value if isinstance(callee, cst.Attribute) else None
             candidates = [d for d in defs if ident is not None and d.function.name.value == ident]
             if not candidates:
-                misses.append(f"{site}: {module.code_for_node(callee).strip() if callee else name} is not defined in this file")
+                misses.append(f"{site}: {module.code_for_node(callee).strip()} is not defined in this file")
                 ok = False
                 break
             if not any(_body_is(d.function, forms) for d in candidates):
