@@ -166,7 +166,8 @@ def _check_helpers(module: cst.Module, found, helpers: dict) -> tuple[list, list
 
 
 def _body_is(function: cst.FunctionDef, forms) -> bool:
-    body = [s for s in function.body.body if not _docstring(function) or s is not _docstring(function)[0]]
+    docstring = _docstring(function)
+    body = list(function.body.body)[len(docstring):]
     for form in ([forms] if isinstance(forms, str) else list(forms)):
         slots = stmts.sequences({"pattern": str(form)})[0]
         if len(slots) == len(body) and any(True for _ in stmts.match_sequence(slots, body)):
