@@ -116,7 +116,10 @@ CASES: list[Case] = [
     Case("cross-entropy-library-npu", "real_speedrun", "npu", "cross_entropy", scan_target="npu"),  # soft-capped fp32
     Case("cross-entropy-library-npu", "real_hf", "npu", "cross_entropy", scan_target="npu"),  # loss() method
     Case("rope-npu-rotary-mul", "real_hf", "npu", "rope"),
-    Case("host-sync-inline-log-every", "real_package", "cpu", "host_sync"),  # print("loss", loss.cpu()) every step  # rotate_half as a static helper under another name
+    Case("host-sync-inline-log-every", "real_package", "cpu", "host_sync"),
+    Case("attention-sdpa-additive-mask", "real_hf", "cpu", "attention"),  # eager method, program's mask helper
+    Case("attention-sdpa-additive-mask", "real_hf", "npu", "attention"),
+    Case("permute-reshape-npu-confusion-transpose-split", "real_package", "npu", "permute_reshape"),  # print("loss", loss.cpu()) every step  # rotate_half as a static helper under another name
     Case("rope-chunk-npu-rotary-mul", "real_speedrun", "npu", "rope"),  # chunk halves, y1 = x1 c + x2 s
     Case("permute-reshape-npu-confusion-transpose", "real_speedrun", "npu", "permute_reshape"),  # reshape(B, T, -1)
     Case("rope-chunk-npu-rotary-mul", "real_speedrun", "npu", "rope", expect="diverges",

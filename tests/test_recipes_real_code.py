@@ -321,3 +321,51 @@ def test_rotate_half_under_another_name_is_accepted_only_for_its_body():
     other_way = source.replace("torch.cat((-x[..., half:], x[..., :half]), dim=-1)", "torch.cat((x[..., half:], -x[..., :half]), dim=-1)")
     with pytest.raises(CodemodRefused, match=r"_swap_halves\(\) computes something else"):
         _apply("rope-npu-rotary-mul", other_way, "return q * cos")
+
+
+EAGER = _src('''
+    import math
+
+    import torch
+    from torch import nn
+
+
+    def with_mask(scores, mask):
+        return scores if mask is None else scores + mask
+
+
+    class Attention(nn.Module):
+        def eager(self, query, key, value, mask):
+            scores = torch.matmul(query, key.transpose(2, 3)) / math.sqrt(self.head_dim)
+            scores = with_mask(scores, mask)
+            probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            return torch.matmul(probs, value)
+''')
+
+
+def test_eager_attention_with_the_programs_mask_helper_becomes_sdpa():
+    edit = _apply("attention-sdpa-additive-mask", EAGER, "scores = torch.matmul", "return torch.matmul")
+    assert ("return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, "
+            "scale=self.head_dim ** -0.5)") in edit.source
+    assert "def with_mask(scores, mask):" in edit.source  # the helper stays: others may call it
+    boolean = EAGER.replace("scores if mask is None else scores + mask", "scores.masked_fill(mask, float('-inf'))")
+    with pytest.raises(CodemodRefused, match=r"with_mask\(\) computes something else"):
+        _apply("attention-sdpa-additive-mask", boolean, "scores = torch.matmul", "return torch.matmul")
+
+
+def test_a_split_heads_merge_is_fused_only_when_the_transposed_name_is_not_used_again():
+    source = _src('''
+        import torch.nn.functional as F
+
+
+        def merge(q, k, v, wo, b, s):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+            return wo(out.reshape(b, s, -1))
+    ''')
+    edit = _apply("permute-reshape-npu-confusion-transpose-split", source, "out = F.", "return wo")
+    assert "return wo(_tb_npu_confusion_transpose(F.scaled_dot_product_attention(q, k, v, is_causal=True), [b, s, -1]))" \
+        in edit.source
+    assert edit.source.count("scaled_dot_product_attention(") == 1  # the attention is computed once
+    twice = source.replace("return wo(out.reshape(b, s, -1))", "return wo(out.reshape(b, s, -1)) + out.sum()")
+    with pytest.raises(CodemodRefused, match=r"still reads out, which it no longer assigns"):
+        _apply("permute-reshape-npu-confusion-transpose-split", twice, "out = F.", "return wo")

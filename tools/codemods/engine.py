@@ -142,27 +142,30 @@ def _check_helpers(module: cst.Module, found, helpers: dict) -> tuple[list, list
     """Keep the matches whose helper metavariables (``params.helpers``: name -> statement patterns of
     the helper's body) name a function or method of this file whose body is one of those forms
     (``TinyRotary._swap_halves(q)``, ``self.rotate(x)``, ``rotate_half(x)``)."""
-    defs = scopes.definitions(module)
     kept, misses = [], []
     for node, bindings, site in found:
-        ok = True
-        for name, forms in helpers.items():
-            callee = bindings.get(name)
-            if callee is None:
-                continue  # matched by a form that names no helper
-            ident = callee.value if isinstance(callee, cst.Name) else callee.attr.value if isinstance(callee, cst.Attribute) else None
-            candidates = [d for d in defs if ident is not None and d.function.name.value == ident]
-            if not candidates:
-                misses.append(f"{site}: {module.code_for_node(callee).strip()} is not defined in this file")
-                ok = False
-                break
-            if not any(_body_is(d.function, forms) for d in candidates):
-                misses.append(f"{site}: {ident}() computes something else than {str(list(forms)[0]).splitlines()[-1].strip()}")
-                ok = False
-                break
-        if ok:
+        why = helpers_mismatch(module, bindings, helpers)
+        if why is None:
             kept.append((node, bindings, site))
+        else:
+            misses.append(f"{site}: {why}")
     return kept, misses
+
+
+def helpers_mismatch(module: cst.Module, bindings: Bindings, helpers: dict) -> str | None:
+    """Why a helper bound in ``bindings`` is not one of the forms ``helpers`` names, or None."""
+    defs = scopes.definitions(module)
+    for name, forms in helpers.items():
+        callee = bindings.get(name)
+        if callee is None:
+            continue  # matched by a form that names no helper
+        ident = callee.value if isinstance(callee, cst.Name) else callee.attr.value if isinstance(callee, cst.Attribute) else None
+        candidates = [d for d in defs if ident is not None and d.function.name.value == ident]
+        if not candidates:
+            return f"{module.code_for_node(callee).strip()} is not defined in this file"
+        if not any(_body_is(d.function, forms) for d in candidates):
+            return f"{ident}() computes something else than {str(list(forms)[0]).splitlines()[-1].strip()}"
+    return None
 
 
 def _body_is(function: cst.FunctionDef, forms) -> bool:
@@ -297,7 +300,12 @@ def _apply_statements(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan
         found, close = stmts.find(module, positions, slots, span, slack)
         near += close
         edits, unsafe = [], []
+        helpers = dict(params.get("helpers", {}) or {})
         for f in found:
+            why = helpers_mismatch(module, f.bindings, helpers) if helpers else None
+            if why is not None:
+                unsafe.append(f"{f.site}: {why}")
+                continue
             new = stmts.render(recipe.replacement, f, module)
             reason = stmts.check_safety(module, wrapper, positions, f, new)
             if reason:

@@ -227,6 +227,27 @@ def _assigned(nodes) -> set[str]:
     return names
 
 
+def _names_read(nodes) -> set[str]:
+    """Names the nodes mention as values (not attribute names, not keyword names)."""
+    names: set[str] = set()
+
+    class Visitor(cst.CSTVisitor):
+        def visit_Name(self, node: cst.Name) -> None:
+            names.add(node.value)
+
+        def visit_Attribute(self, node: cst.Attribute) -> bool:
+            node.value.visit(self)
+            return False
+
+        def visit_Arg(self, node: cst.Arg) -> bool:
+            node.value.visit(self)
+            return False
+
+    for n in nodes:
+        n.visit(Visitor())
+    return names
+
+
 def _top_level_assigned(statements: list[cst.BaseStatement]) -> set[str]:
     return _assigned([s for s in statements if isinstance(s, cst.SimpleStatementLine)])
 
@@ -263,6 +284,10 @@ def check_safety(module: cst.Module, wrapper: MetadataWrapper, positions, f: Fou
     at_risk = removed - kept
     if not at_risk:
         return None
+    stale = sorted(at_risk & _names_read(new_statements))
+    if stale:
+        return (f"the replacement still reads {', '.join(stale)}, which it no longer assigns (another use of the "
+                "rewritten value in the same statement)")
     contexts = wrapper.resolve(ExpressionContextProvider)
     function, loops = _enclosing(module, positions, f.site)
     scope = function if function is not None else module
