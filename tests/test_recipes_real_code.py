@@ -367,5 +367,5 @@ def test_a_split_heads_merge_is_fused_only_when_the_transposed_name_is_not_used_
         in edit.source
     assert edit.source.count("scaled_dot_product_attention(") == 1  # the attention is computed once
     twice = source.replace("return wo(out.reshape(b, s, -1))", "return wo(out.reshape(b, s, -1)) + out.sum()")
-    with pytest.raises(CodemodRefused, match=r"still reads out, which it no longer assigns"):
+    with pytest.raises(CodemodRefused, match=r"out is read again in the statement the rewrite ends at"):
         _apply("permute-reshape-npu-confusion-transpose-split", twice, "out = F.", "return wo")

@@ -227,21 +227,23 @@ def _assigned(nodes) -> set[str]:
     return names
 
 
-def _names_read(nodes) -> set[str]:
-    """Names the nodes mention as values (not attribute names, not keyword names)."""
+def _names_read(nodes, skip: cst.CSTNode | None = None) -> set[str]:
+    """Names the nodes mention as values (not attribute names, not keyword names), outside ``skip``."""
     names: set[str] = set()
 
     class Visitor(cst.CSTVisitor):
-        def visit_Name(self, node: cst.Name) -> None:
-            names.add(node.value)
-
-        def visit_Attribute(self, node: cst.Attribute) -> bool:
-            node.value.visit(self)
-            return False
-
-        def visit_Arg(self, node: cst.Arg) -> bool:
-            node.value.visit(self)
-            return False
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            if node is skip:
+                return False
+            if isinstance(node, cst.Name):
+                names.add(node.value)
+            if isinstance(node, cst.Attribute):
+                node.value.visit(self)
+                return False
+            if isinstance(node, cst.Arg):
+                node.value.visit(self)
+                return False
+            return True
 
     for n in nodes:
         n.visit(Visitor())
@@ -284,10 +286,13 @@ def check_safety(module: cst.Module, wrapper: MetadataWrapper, positions, f: Fou
     at_risk = removed - kept
     if not at_risk:
         return None
-    stale = sorted(at_risk & _names_read(new_statements))
-    if stale:
-        return (f"the replacement still reads {', '.join(stale)}, which it no longer assigns (another use of the "
-                "rewritten value in the same statement)")
+    if f.context is not None:  # `$_[E]`: the rest of that statement keeps reading what the earlier slots assigned
+        statement, node = f.context
+        stale = sorted((at_risk & _assigned(f.statements[:-1]) & _names_read([statement], skip=node))
+                       - _assigned(new_statements))
+        if stale:
+            return (f"{', '.join(stale)} is read again in the statement the rewrite ends at, but the replacement no "
+                    "longer assigns it")
     contexts = wrapper.resolve(ExpressionContextProvider)
     function, loops = _enclosing(module, positions, f.site)
     scope = function if function is not None else module
