@@ -42,7 +42,7 @@ def candidate_name(intent: Intent, recipe_id: str, attempt: int = 0) -> str:
     return name if attempt == 0 else f"{name}-r{attempt}"
 
 
-def commit_message(intent: Intent, recipe: Recipe, sites: list[SourceSpan]) -> str:
+def commit_message(intent: Intent, recipe: Recipe, sites: list[SourceSpan], notes: list[str] | None = None) -> str:
     evidence = intent.evidence
     k = "?" if evidence.reference_kernels is None else evidence.reference_kernels
     n = "?" if evidence.target_ops is None else evidence.target_ops
@@ -56,6 +56,7 @@ def commit_message(intent: Intent, recipe: Recipe, sites: list[SourceSpan]) -> s
     ]
     if intent.estimated_saving_us is not None:
         lines.append(f"Estimated saving (not measured): {intent.estimated_saving_us / 1000:.2f} ms per step.")
+    lines += [f"Codemod: {note}." for note in notes or []]  # e.g. a **kwargs dropped, a helper inserted
     return "\n".join(lines)
 
 
@@ -88,7 +89,7 @@ def make_candidate(workspace, intent: Intent, recipe: Recipe, attempt: int = 0, 
             reasons.append(f"the rewritten {span.file} does not compile: {exc}")
             continue
         path.write_text(edit.source, encoding="utf-8")
-        result = workspace.commit_candidate(name, commit_message(intent, recipe, edit.sites))
+        result = workspace.commit_candidate(name, commit_message(intent, recipe, edit.sites, edit.notes))
         if result.sha is None:
             reasons.append("the rewrite left the file unchanged")
             continue

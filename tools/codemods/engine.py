@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 import libcst as cst
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
-from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider
+from libcst.metadata import MetadataWrapper, PositionProvider
 
 from trainbridge.knowledge.schema import Recipe
 from trainbridge.records import SourceSpan
+from trainbridge.tools.codemods import scopes
+from trainbridge.tools.codemods.calls import CallRefused, apply_call
 from trainbridge.tools.codemods import statements as stmts
 from trainbridge.tools.codemods.definitions import DefinitionError, insert_definitions
 from trainbridge.tools.codemods.imports import parse_import_line
@@ -60,7 +62,10 @@ def apply_recipe(source: str, recipe: Recipe, span: SourceSpan) -> Edit:
         if kind == "expression":
             new_module, sites = _apply_expression(wrapper, recipe, span)
         elif kind == "call":
-            new_module, sites = _apply_call(wrapper, recipe, span)
+            try:
+                new_module, sites, notes = apply_call(wrapper, recipe, span)
+            except CallRefused as refused:
+                raise CodemodRefused(refused.reason, refused.close) from None
         elif kind == "semantic":
             new_module, sites = _apply_semantic(wrapper, recipe, span)
         elif kind == "statements":
@@ -72,7 +77,8 @@ def apply_recipe(source: str, recipe: Recipe, span: SourceSpan) -> Edit:
         new_module = _add_imports(new_module, recipe.imports)
         define = recipe.match.params.get("define")
         if define:
-            new_module, notes = insert_definitions(new_module, str(define))
+            new_module, defined = insert_definitions(new_module, str(define))
+            notes = notes + defined
     except (PatternError, TemplateError, DefinitionError) as exc:
         raise CodemodRefused(f"recipe {recipe.id}: {exc}") from None
     return Edit(source=new_module.code, sites=sites, notes=notes)
@@ -116,6 +122,12 @@ def _apply_expression(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan
     finder = _ExpressionFinder(_patterns(recipe), span)
     wrapper.visit(finder)
     module = wrapper.module
+    helper_misses: list[str] = []
+    if recipe.match.params.get("helpers"):
+        finder.found, helper_misses = _check_helpers(module, finder.found, dict(recipe.match.params["helpers"]))
+    if not finder.found and helper_misses:
+        raise CodemodRefused(f"recipe {recipe.id} matches in {span}, but a helper it calls is not the one it needs: "
+                             f"{helper_misses[0]}", helper_misses)
     if not finder.found:
         raise CodemodRefused(f"no expression in {span} matches recipe {recipe.id}", _closest(module, finder.in_span))
     if len(finder.found) > 1 and not recipe.match.params.get("all_in_span", False):
@@ -124,6 +136,46 @@ def _apply_expression(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan
                              "narrow the span or mark the recipe all_in_span")
     replacements = {node: render_expression(recipe.replacement, bindings, module) for node, bindings, _ in finder.found}
     return _replace_nodes(module, replacements), [site for _, _, site in finder.found]
+
+
+def _check_helpers(module: cst.Module, found, helpers: dict) -> tuple[list, list[str]]:
+    """Keep the matches whose helper metavariables (``params.helpers``: name -> statement patterns of
+    the helper's body) name a function or method of this file whose body is one of those forms
+    (``TinyRotary._swap_halves(q)``, ``self.rotate(x)``, ``rotate_half(x)``)."""
+    kept, misses = [], []
+    for node, bindings, site in found:
+        why = helpers_mismatch(module, bindings, helpers)
+        if why is None:
+            kept.append((node, bindings, site))
+        else:
+            misses.append(f"{site}: {why}")
+    return kept, misses
+
+
+def helpers_mismatch(module: cst.Module, bindings: Bindings, helpers: dict) -> str | None:
+    """Why a helper bound in ``bindings`` is not one of the forms ``helpers`` names, or None."""
+    defs = scopes.definitions(module)
+    for name, forms in helpers.items():
+        callee = bindings.get(name)
+        if callee is None:
+            continue  # matched by a form that names no helper
+        ident = callee.value if isinstance(callee, cst.Name) else callee.attr.value if isinstance(callee, cst.Attribute) else None
+        candidates = [d for d in defs if ident is not None and d.function.name.value == ident]
+        if not candidates:
+            return f"{module.code_for_node(callee).strip()} is not defined in this file"
+        if not any(_body_is(d.function, forms) for d in candidates):
+            return f"{ident}() computes something else than {str(list(forms)[0]).splitlines()[-1].strip()}"
+    return None
+
+
+def _body_is(function: cst.FunctionDef, forms) -> bool:
+    docstring = _docstring(function)
+    body = list(function.body.body)[len(docstring):]
+    for form in ([forms] if isinstance(forms, str) else list(forms)):
+        slots = stmts.sequences({"pattern": str(form)})[0]
+        if len(slots) == len(body) and any(True for _ in stmts.match_sequence(slots, body)):
+            return True
+    return False
 
 
 def _closest(module: cst.Module, candidates: list[tuple[cst.BaseExpression, SourceSpan]], limit: int = 3) -> list[str]:
@@ -144,68 +196,7 @@ def _replace_nodes(module: cst.Module, replacements: dict) -> cst.Module:
     return module.visit(_NodeReplacer(replacements))
 
 
-# --- call ---------------------------------------------------------------------------------------
-
-
-class _CallFinder(cst.CSTVisitor):
-    METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
-
-    def __init__(self, func: str, span: SourceSpan):
-        self.func, self.span = func, span
-        self.found: list[tuple[cst.Call, SourceSpan]] = []
-
-    def visit_Call(self, node: cst.Call) -> None:
-        position = self.get_metadata(PositionProvider, node)
-        if not (self.span.line_start <= position.start.line <= self.span.line_end):
-            return
-        names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
-        if self.func in names:
-            self.found.append((node, SourceSpan(file=self.span.file, line_start=position.start.line, line_end=position.end.line)))
-
-
-def _apply_call(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
-    params = recipe.match.params
-    finder = _CallFinder(str(params["func"]), span)
-    wrapper.visit(finder)
-    module = wrapper.module
-    required = dict(params.get("kwargs", {}) or {})
-    dropped = set(params.get("drop_kwargs", []) or [])
-    absent = list(params.get("absent_kwargs", []) or [])
-    candidates, misses = [], []
-    for call, site in finder.found:
-        given = {arg.keyword.value: arg.value for arg in call.args if arg.keyword is not None}
-        wrong = [k for k, v in required.items() if k not in given or not _literal_equals(given[k], v)]
-        if wrong:
-            misses.append(f"{site}: {module.code_for_node(call).strip()[:160]} (needs {', '.join(f'{k}={required[k]!r}' for k in wrong)})")
-            continue
-        present = [k for k in absent if k in given]
-        if present or any(arg.star for arg in call.args if arg.keyword is None and arg.star == "**"):
-            why = f"already passes {', '.join(present)}" if present else "passes **kwargs, which may hold " + ", ".join(absent)
-            misses.append(f"{site}: {module.code_for_node(call).strip()[:160]} ({why})")
-            continue
-        candidates.append((call, site))
-    if not candidates:
-        raise CodemodRefused(f"no call of {params['func']} in {span} fits recipe {recipe.id}", misses)
-    if len(candidates) > 1:
-        raise CodemodRefused(f"recipe {recipe.id} matches {len(candidates)} calls in {span}; narrow the span",
-                             [str(site) for _, site in candidates])
-    call, site = candidates[0]
-    kept = [arg for arg in call.args if arg.keyword is None or arg.keyword.value not in dropped]
-    args_code = ", ".join(module.code_for_node(arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)).strip() for arg in kept)
-    bindings: Bindings = {"func": call.func}
-    text = recipe.replacement.replace("$args", "\0ARGS\0").replace("${args}", "\0ARGS\0")
-    rendered = render_expression(text, bindings, module, raw={"\0ARGS\0": args_code})
-    return _replace_nodes(module, {call: rendered}), [site]
-
-
-def _literal_equals(node: cst.BaseExpression, value) -> bool:
-    if isinstance(value, bool) or value is None:
-        return isinstance(node, cst.Name) and node.value == repr(value)
-    if isinstance(value, (int, float)):
-        return isinstance(node, (cst.Integer, cst.Float)) and float(node.evaluated_value) == float(value)
-    if isinstance(value, str):
-        return isinstance(node, cst.SimpleString) and node.evaluated_value == value
-    return False
+# --- call: see calls.py ------------------------------------------------------------------------
 
 
 # --- semantic (module forward / function) -------------------------------------------------------
@@ -219,8 +210,7 @@ def _apply_semantic(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
     attributes = [str(a) for a in params.get("attributes", []) or []]
     function, owner = _find_scope(module, positions, span, scope)
     if function is None:
-        what = "class with a forward method" if scope == "module_forward" else "function"
-        raise CodemodRefused(f"no {what} overlaps {span} for recipe {recipe.id}")
+        raise _no_scope(module, positions, span, scope, recipe)
     arg_names = [p.name.value for p in function.params.params]
     if scope == "module_forward":
         arg_names = arg_names[1:]  # self
@@ -248,18 +238,19 @@ def _apply_semantic(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
 
 
 def _find_scope(module: cst.Module, positions, span: SourceSpan, scope: str):
-    def overlaps(node) -> bool:
-        position = positions[node]
-        return position.start.line <= span.line_end and span.line_start <= position.end.line
+    """(function, owning class) for the scope that holds the span, at any depth (methods, nested
+    functions, classes inside functions); (None, None) when there is none."""
+    found = scopes.module_forward(module, positions, span) if scope == "module_forward" \
+        else scopes.innermost_function(module, positions, span)
+    if found is None:
+        return None, None
+    return found.function, found.owner
 
-    for statement in module.body:
-        if scope == "module_forward" and isinstance(statement, cst.ClassDef) and overlaps(statement):
-            for item in statement.body.body:
-                if isinstance(item, cst.FunctionDef) and item.name.value == "forward" and (overlaps(item) or overlaps(statement)):
-                    return item, statement
-        if scope == "function" and isinstance(statement, cst.FunctionDef) and overlaps(statement):
-            return statement, None
-    return None, None
+
+def _no_scope(module: cst.Module, positions, span: SourceSpan, scope: str, recipe: Recipe) -> CodemodRefused:
+    what = "class with a forward method" if scope == "module_forward" else "function or method"
+    return CodemodRefused(f"no {what} overlaps {span} for recipe {recipe.id}: "
+                          f"{scopes.describe_position(module, positions, span)}")
 
 
 def _self_attributes(owner: cst.ClassDef) -> set[str]:
@@ -309,7 +300,12 @@ def _apply_statements(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan
         found, close = stmts.find(module, positions, slots, span, slack)
         near += close
         edits, unsafe = [], []
+        helpers = dict(params.get("helpers", {}) or {})
         for f in found:
+            why = helpers_mismatch(module, f.bindings, helpers) if helpers else None
+            if why is not None:
+                unsafe.append(f"{f.site}: {why}")
+                continue
             new = stmts.render(recipe.replacement, f, module)
             reason = stmts.check_safety(module, wrapper, positions, f, new)
             if reason:
@@ -341,15 +337,49 @@ def _apply_decorate(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
         raise CodemodRefused(f"recipe {recipe.id}: params.scope must be 'function' or 'module_forward', not {scope!r}")
     function, _ = _find_scope(module, positions, span, scope)
     if function is None:
-        what = "class with a forward method" if scope == "module_forward" else "function"
-        raise CodemodRefused(f"no {what} overlaps {span} for recipe {recipe.id}")
+        raise _no_scope(module, positions, span, scope, recipe)
     decorator = render_expression(recipe.replacement, {}, module)
     if any(equal(d.decorator, decorator) for d in function.decorators):
         raise CodemodRefused(f"{function.name.value} in {span} is already decorated with {recipe.replacement}")
+    only = [str(f) for f in params.get("functions", []) or []]
+    if only and function.name.value not in only:
+        raise CodemodRefused(f"{span} lies in {function.name.value}(), not in {' / '.join(only)}: recipe {recipe.id} "
+                             f"compiles only {' / '.join(only)}")
+    why_not = _why_not_compiled(module, function)
+    if why_not:
+        raise CodemodRefused(f"{function.name.value} (line {positions[function].start.line}) holds {span} but {why_not}; "
+                             f"recipe {recipe.id} does not apply there")
     new_function = function.with_changes(decorators=[*function.decorators, cst.Decorator(decorator=decorator)])
     position = positions[function]
     site = SourceSpan(file=span.file, line_start=position.start.line, line_end=position.end.line, function=function.name.value)
     return _replace_nodes(module, {function: new_function}), [site]
+
+
+_COMPILE_DECORATORS = ("torch.compile", "compile", "_tb_npu_compile", "torch.jit.script")
+
+
+def _why_not_compiled(module: cst.Module, function: cst.FunctionDef) -> str | None:
+    """Why decorating `function` with a compile would be wrong, or None."""
+    name = function.name.value
+    if name == "__init__" or (name.startswith("__") and name.endswith("__") and name != "__call__"):
+        return f"it is the special method {name}, which builds state rather than computing the step"
+    for d in function.decorators:
+        target = d.decorator.func if isinstance(d.decorator, cst.Call) else d.decorator
+        if module.code_for_node(target).strip() in _COMPILE_DECORATORS:
+            return f"it is already compiled (@{module.code_for_node(d.decorator).strip()})"
+    if function.asynchronous is not None:
+        return "it is a coroutine"
+    generator = []
+
+    class Visitor(cst.CSTVisitor):
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+            return node is function  # yields of nested functions are theirs
+
+        def visit_Yield(self, node: cst.Yield) -> None:
+            generator.append(node)
+
+    function.visit(Visitor())
+    return "it is a generator (yield)" if generator else None
 
 
 # --- imports ------------------------------------------------------------------------------------

@@ -147,6 +147,12 @@ def _match_from(slots: list[Slot], body, start: int, bindings: Bindings):
             yield from _match_from(slots[1:], body, start + 1, got)
 
 
+def match_sequence(slots: list[Slot], body: list[cst.BaseStatement]):
+    """Bindings for each way ``slots`` match ``body`` from its first statement."""
+    for bindings, _ in _match_from(slots, body, 0, {}):
+        yield bindings
+
+
 def find(module: cst.Module, positions, slots: list[Slot], span: SourceSpan, slack: int) -> tuple[list[Found], list[str]]:
     found: list[Found] = []
     near: list[str] = []
@@ -221,6 +227,29 @@ def _assigned(nodes) -> set[str]:
     return names
 
 
+def _names_read(nodes, skip: cst.CSTNode | None = None) -> set[str]:
+    """Names the nodes mention as values (not attribute names, not keyword names), outside ``skip``."""
+    names: set[str] = set()
+
+    class Visitor(cst.CSTVisitor):
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            if node is skip:
+                return False
+            if isinstance(node, cst.Name):
+                names.add(node.value)
+            if isinstance(node, cst.Attribute):
+                node.value.visit(self)
+                return False
+            if isinstance(node, cst.Arg):
+                node.value.visit(self)
+                return False
+            return True
+
+    for n in nodes:
+        n.visit(Visitor())
+    return names
+
+
 def _top_level_assigned(statements: list[cst.BaseStatement]) -> set[str]:
     return _assigned([s for s in statements if isinstance(s, cst.SimpleStatementLine)])
 
@@ -257,6 +286,13 @@ def check_safety(module: cst.Module, wrapper: MetadataWrapper, positions, f: Fou
     at_risk = removed - kept
     if not at_risk:
         return None
+    if f.context is not None:  # `$_[E]`: the rest of that statement keeps reading what the earlier slots assigned
+        statement, node = f.context
+        stale = sorted((at_risk & _assigned(f.statements[:-1]) & _names_read([statement], skip=node))
+                       - _assigned(new_statements))
+        if stale:
+            return (f"{', '.join(stale)} is read again in the statement the rewrite ends at, but the replacement no "
+                    "longer assigns it")
     contexts = wrapper.resolve(ExpressionContextProvider)
     function, loops = _enclosing(module, positions, f.site)
     scope = function if function is not None else module
