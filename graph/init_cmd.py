@@ -79,6 +79,10 @@ def show_discovery(found: Discovery) -> None:
             _say(f"{found.best.script} runs distributed when torchrun sets RANK/WORLD_SIZE")
         if found.data_paths:
             _say(f"git-ignored paths it reads: {', '.join(found.data_paths)}")
+        if found.data_missing:
+            _say(f"git-ignored files it names but that are nowhere in the repository yet (left out of data = [...]; "
+                 f"outputs, or data not prepared yet: prepare it, then `trainbridge init --force`): "
+                 f"{', '.join(found.data_missing)}")
 
 
 def _choose(found: Discovery) -> LaunchCandidate:

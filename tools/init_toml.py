@@ -82,6 +82,9 @@ def render_toml(found: Discovery, chosen: LaunchCandidate, *, today: date | None
     else:
         lines += ["# No git-ignored path was seen referenced; list data folders here if the script reads any:",
                   "# data = [\"data/\"]", ""]
+    if found.data_missing:
+        lines += ["# Named by the script, ignored by git, but nowhere in the repository yet (outputs, or data not",
+                  f"# prepared yet; add them once they exist): {', '.join(found.data_missing)}", ""]
     lines += _override_hints(found)
     text = "\n".join(lines).rstrip("\n") + "\n"
     tomllib.loads(text)  # a bug here must not leave an unreadable file behind

@@ -1,0 +1,136 @@
+"""Script mode on the shapes the manual trials on public repositories met (issue 12).
+
+Each program here is written for this test, in the style that broke a trial; no public code.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+from trainbridge.sandbox.script_overrides import OverridePlan, compile_source, install
+from trainbridge.tools.init_toml import render_toml
+from trainbridge.tools.launch_discovery import discover_launch
+
+# A script that names its data by bare file names joined to a folder at run time
+# (`os.path.join(data_dir, "train.bin")`), and a checkpoint it writes itself; `.gitignore` ignores
+# the extensions only, so no folder of the path is ignored as such.
+JOINED_NAMES = {
+    ".gitignore": "*.bin\n*.pkl\n*.pt\n",
+    "README.md": "```sh\npython train.py\n```\n",
+    "train.py": """
+        import os
+        import pickle
+        import numpy as np
+        import torch
+
+        dataset = "tiny"
+        out_dir = "out"
+        data_dir = os.path.join("data", dataset)
+        with open(os.path.join(data_dir, "meta.pkl"), "rb") as f:
+            vocab_size = pickle.load(f)["vocab_size"]
+        tokens = np.memmap(os.path.join(data_dir, "train.bin"), dtype=np.uint16, mode="r")
+        model = torch.nn.Embedding(vocab_size, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        while True:
+            x = torch.from_numpy(tokens[:8].astype(np.int64))
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            torch.save(model.state_dict(), os.path.join(out_dir, "ckpt.pt"))
+        """,
+    "data/tiny/prepare.py": "print('would download')\n",
+}
+
+
+def write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(textwrap.dedent(text))
+    return root
+
+
+def test_bare_data_names_joined_to_a_folder_are_found_where_they_lie(tmp_path):
+    repo = write(tmp_path, JOINED_NAMES)
+    (repo / "data/tiny/train.bin").write_bytes(b"\0" * 32)
+    (repo / "data/tiny/meta.pkl").write_bytes(b"x")
+    found = discover_launch(repo)
+    # the prepared files by their paths (bare names would be missing from every run's mirror)
+    assert sorted(found.data_paths) == ["data/tiny/meta.pkl", "data/tiny/train.bin"]
+    assert found.data_missing == ["ckpt.pt"]  # written by the script: nowhere yet, left out
+    config = tomllib.loads(render_toml(found, found.best))
+    assert config["data"] == found.data_paths
+
+
+def test_bare_data_names_prepared_nowhere_are_left_out_and_named(tmp_path):
+    repo = write(tmp_path, JOINED_NAMES)
+    found = discover_launch(repo)
+    assert found.data_paths == []
+    assert sorted(found.data_missing) == ["ckpt.pt", "meta.pkl", "train.bin"]
+    text = render_toml(found, found.best)
+    assert "data" not in tomllib.loads(text)  # a data entry that does not exist would stop every run
+    assert "nowhere in the repository yet" in text and ", ".join(found.data_missing) in text
+
+
+def test_a_bare_name_at_the_root_stays_as_it_is(tmp_path):
+    files = dict(JOINED_NAMES)
+    files["train.py"] = files["train.py"].replace('os.path.join(data_dir, "train.bin")', '"train.bin"')
+    repo = write(tmp_path, files)
+    (repo / "train.bin").write_bytes(b"\0" * 32)
+    (repo / "data/tiny/train.bin").write_bytes(b"\0" * 32)  # same name elsewhere: the root's copy is the one read
+    found = discover_launch(repo)
+    assert "train.bin" in found.data_paths
+    assert "data/tiny/train.bin" not in found.data_paths
+
+
+# --- a configurator that runs a config file into the script's globals (nanoGPT's idiom) ----------
+
+CONFIGURED = """
+    batch_size = 12
+    n_layer = 12
+    device = "cuda"
+    exec(open(CONFIGURATOR).read())
+    derived = batch_size * 2
+    """
+
+CONFIGURATOR = """
+    import sys
+    for arg in sys.argv[1:]:
+        if "=" not in arg:
+            exec(open(arg).read())  # a config file, e.g. config/train_shakespeare_char.py
+        else:
+            key, val = arg.removeprefix("--").split("=")
+            globals()[key] = type(globals()[key])(val)
+    """
+
+
+def _run_configured(tmp_path, monkeypatch, overrides: dict, argv: list[str]) -> dict:
+    (tmp_path / "configurator.py").write_text(textwrap.dedent(CONFIGURATOR))
+    (tmp_path / "big.py").write_text("batch_size = 64\nn_layer = 6\n")
+    monkeypatch.setattr(sys, "argv", ["train.py", *[str(tmp_path / a) if a.endswith(".py") else a for a in argv]])
+    plan = OverridePlan.from_overrides(overrides)
+    install(Path("/nonexistent-root"), OverridePlan())  # the call helper only
+    namespace = {"__name__": "__main__", "CONFIGURATOR": str(tmp_path / "configurator.py")}
+    exec(compile_source(textwrap.dedent(CONFIGURED), "train.py", plan, is_script=True), namespace)
+    assert plan.unmatched() == []
+    return namespace
+
+
+def test_a_constant_override_survives_a_config_file_run_by_exec(tmp_path, monkeypatch):
+    # the config file sets batch_size = 64 after the script's own 12: the override must still win
+    namespace = _run_configured(tmp_path, monkeypatch, {"batch_size": 4, "device": "cpu"}, ["big.py"])
+    assert (namespace["batch_size"], namespace["device"], namespace["derived"]) == (4, "cpu", 8)
+    assert namespace["n_layer"] == 6  # not overridden: the config file's value, as without TrainBridge
+
+
+def test_a_constant_override_wins_over_a_key_value_argument_too(tmp_path, monkeypatch):
+    namespace = _run_configured(tmp_path, monkeypatch, {"n_layer": 2}, ["big.py", "--n_layer=3", "--batch_size=5"])
+    assert (namespace["n_layer"], namespace["batch_size"]) == (2, 5)
+
+
+def test_without_overrides_the_config_file_decides(tmp_path, monkeypatch):
+    namespace = _run_configured(tmp_path, monkeypatch, {}, ["big.py"])
+    assert (namespace["batch_size"], namespace["n_layer"], namespace["device"]) == (64, 6, "cuda")
