@@ -93,6 +93,34 @@ def script_code(spec: dict[str, Any], root: Path, plan) -> tuple[Any, types.Modu
     return compile_source(source, str(path), plan, is_script=True), main
 
 
+def _free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now (torchrun's MASTER_PORT for a world of one)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _loopback_up() -> str | None:
+    """Bring up the loopback interface of the sandbox's own network namespace (`unshare --net` leaves it down),
+    so a process group of one can form over 127.0.0.1; nothing outside the namespace becomes reachable.
+    Returns a note when it could not (then init_process_group waits until the timeout)."""
+    import fcntl
+    import socket
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            flags = struct.unpack("16sh", fcntl.ioctl(probe, siocgifflags, struct.pack("16sh", b"lo", 0)))[1]
+            if not flags & iff_up:
+                fcntl.ioctl(probe, siocsifflags, struct.pack("16sh", b"lo", flags | iff_up))
+    except OSError as exc:
+        return f"the loopback interface could not be brought up ({exc}): a torchrun process group may not form"
+    return None
+
+
 class ScriptNotFound(FileNotFoundError):
     """The launch line's script or module is not in the repository."""
 
@@ -112,6 +140,7 @@ def execute(channel) -> None:
     from trainbridge.sandbox.script_hooks import ScriptFailure, StepController, install_step_hooks
     from trainbridge.sandbox.script_seeds import SeedControl
     from trainbridge.sandbox.script_overrides import OverridePlan, apply_argv, install
+    from trainbridge.sandbox.script_launch import single_torchrun_env
 
     request = channel.recv()
     state: dict[str, Any] = {"guard": None, "controller": None, "seeds": None, "backend": None}
@@ -159,6 +188,11 @@ def execute(channel) -> None:
         if not spec.get("script"):
             sys.path.insert(1, str(root))
         sys.argv = [spec["script"] or spec["module"], *apply_argv(spec.get("args", []), request.get("overrides", {}))]
+        if spec.get("launcher") == "torchrun":  # one process (more are refused before the child starts)
+            note = _loopback_up()
+            if note:
+                print(f"trainbridge: {note}", file=sys.stderr)
+            os.environ.update(single_torchrun_env(_free_port()))
         seeds = state["seeds"] = SeedControl(int(request["seed"])).install()
         seeds.seed_everything()
         controller = state["controller"] = StepController(channel, backend, check_ready=plan.unmatched, close=close,

@@ -10,7 +10,11 @@ import textwrap
 import tomllib
 from pathlib import Path
 
+from trainbridge.sandbox.runner import run_workload
+from trainbridge.sandbox.script_launch import parse_launch, single_torchrun_env, torchrun_options
 from trainbridge.sandbox.script_overrides import OverridePlan, compile_source, install
+from trainbridge.sandbox.script_run import launch_problem
+from trainbridge.sandbox.workload import Workload, WorkloadConfig
 from trainbridge.tools.init_toml import render_toml
 from trainbridge.tools.launch_discovery import discover_launch
 
@@ -134,3 +138,54 @@ def test_a_constant_override_wins_over_a_key_value_argument_too(tmp_path, monkey
 def test_without_overrides_the_config_file_decides(tmp_path, monkeypatch):
     namespace = _run_configured(tmp_path, monkeypatch, {}, ["big.py"])
     assert (namespace["batch_size"], namespace["n_layer"], namespace["device"]) == (64, 6, "cuda")
+
+
+# --- a record launched only by torchrun, reading RANK / LOCAL_RANK / WORLD_SIZE (Modded-NanoGPT's shape) ---
+
+
+def test_torchrun_with_one_process_is_one_process_and_more_are_refused():
+    one = parse_launch("torchrun --standalone --nproc_per_node=1 train_gpt.py --x=1")
+    assert (one.launcher, one.script, one.args, one.multi_process) == ("torchrun", "train_gpt.py", ["--x=1"], False)
+    assert not parse_launch("torchrun --nproc-per-node 1 train_gpt.py").multi_process
+    assert not parse_launch("torchrun train_gpt.py").multi_process  # torchrun's default: one process per node
+    assert parse_launch("torchrun --standalone --nproc_per_node=8 train_gpt.py").multi_process
+    assert parse_launch("torchrun --nproc_per_node 2 train_gpt.py").multi_process
+    assert parse_launch("torchrun --nnodes=2 --nproc_per_node=1 train_gpt.py").multi_process
+    assert torchrun_options(["--standalone", "--nproc-per-node", "4", "--master_port=29500"]) == \
+        {"standalone": "", "nproc_per_node": "4", "master_port": "29500"}
+
+
+def test_the_environment_of_one_torchrun_worker_lets_a_process_group_form():
+    env = single_torchrun_env(29517)
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")} == \
+        {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}
+
+
+TORCHRUN_ONLY = """
+    import os
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(backend="gloo")  # env:// : needs torchrun's variables
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    assert (rank, world, dist.get_world_size()) == (0, 1, 1)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(100):
+        loss = model(torch.ones(8, 4) * (step % 3)).pow(2).mean()
+        dist.all_reduce(loss.detach().clone())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+    """
+
+
+def test_a_script_that_needs_torchrun_runs_as_one_torchrun_process(tmp_path):
+    repo = write(tmp_path / "repo", {"train_gpt.py": TORCHRUN_ONLY})
+    workload = Workload(root=repo, config=WorkloadConfig(launch="torchrun --standalone --nproc_per_node=1 train_gpt.py",
+                                                         warmup_steps=1, steps=3, timeout_s=60))
+    assert launch_problem(workload) is None
+    result = run_workload(workload, backend="cpu")
+    assert result.failure is None, result.failure
+    assert len(result.inner_step_times_s) >= 3  # warm-up, measured and cool-down steps all stepped
