@@ -127,9 +127,23 @@ class ScriptNotFound(FileNotFoundError):
 
 def missing_file_message(exc: FileNotFoundError) -> str:
     name = exc.filename or str(exc)
+    if _from_subprocess(exc):
+        return (f"the script runs a program that is not installed here: {name!r} (a subprocess, e.g. nvidia-smi on a machine "
+                "without it). Install it, or make the call run something harmless without editing the script: "
+                f"[overrides] \"run(executable)\" = \"/bin/true\" (a keyword forced on every subprocess.run call)")
     return (f"the script needs a file that is missing: {name!r} (working directory: the run's mirror of the repository). "
             "If it is git-ignored in your checkout (data, tokenizers, meta.pkl), list it or its folder in data = [...] "
             "of trainbridge.toml so every run sees it read-only; otherwise create it first")
+
+
+def _from_subprocess(exc: BaseException) -> bool:
+    """Whether the exception was raised while starting a child program (subprocess's exec failed)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(("subprocess.py", "_posixsubprocess.py")):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def execute(channel) -> None:

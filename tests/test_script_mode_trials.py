@@ -189,3 +189,20 @@ def test_a_script_that_needs_torchrun_runs_as_one_torchrun_process(tmp_path):
     result = run_workload(workload, backend="cpu")
     assert result.failure is None, result.failure
     assert len(result.inner_step_times_s) >= 3  # warm-up, measured and cool-down steps all stepped
+
+
+def test_a_program_the_script_runs_that_is_not_installed_is_named_as_a_program():
+    import subprocess
+
+    from trainbridge.sandbox.script_launcher import missing_file_message
+
+    try:
+        subprocess.run(["trainbridge-no-such-program-smi"], stdout=subprocess.PIPE)
+    except FileNotFoundError as exc:
+        message = missing_file_message(exc)
+    assert "a program that is not installed here: 'trainbridge-no-such-program-smi'" in message
+    assert '"run(executable)" = "/bin/true"' in message
+    try:
+        open("/nonexistent-trainbridge/meta.pkl")
+    except FileNotFoundError as exc:
+        assert "data = [...]" in missing_file_message(exc)  # a data file keeps the data advice
