@@ -206,3 +206,24 @@ def test_a_program_the_script_runs_that_is_not_installed_is_named_as_a_program()
         open("/nonexistent-trainbridge/meta.pkl")
     except FileNotFoundError as exc:
         assert "data = [...]" in missing_file_message(exc)  # a data file keeps the data advice
+
+
+def test_live_object_scans_skip_weak_proxies_whose_object_is_gone():
+    # torch.compile's and DDP's caches keep weakref proxies alive; isinstance on a dead one raises ReferenceError,
+    # which lost the eager profile of a torch.compile'd record ("returned no eager_ops")
+    import weakref
+
+    import torch
+
+    from trainbridge.sandbox.script_hooks import _instances
+
+    class Holder:
+        pass
+
+    held = Holder()
+    dead = weakref.proxy(held)
+    del held
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert _instances([dead, model, optimizer], torch.optim.Optimizer) == [optimizer]
+    assert _instances([dead, model, optimizer], torch.nn.Module) == [model]
