@@ -8,6 +8,8 @@ instead of measuring. Mounted on the root app by graph/cli.py; nothing runs at i
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import typer
@@ -133,4 +135,9 @@ def shrink_hints(found: Discovery, most: int = 6) -> str:
     from trainbridge.tools.script_facts import SIZE_NAMES
 
     sizes = [s for s in found.settings if s.name in SIZE_NAMES and literal_value(s.value) is not None]
-    return ", ".join(f"{s.name} = {literal_value(s.value)!r} ({s.where})" for s in sizes[:most])
+    return ", ".join(f"{s.name} = {literal_value(s.value)!r} ({s.where}{_key_note(s)})" for s in sizes[:most])
+
+
+def _key_note(setting) -> str:
+    key = setting.key or setting.name
+    return f"; key {json.dumps(key)}" if key != setting.name else ""

@@ -227,3 +227,50 @@ def test_live_object_scans_skip_weak_proxies_whose_object_is_gone():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     assert _instances([dead, model, optimizer], torch.optim.Optimizer) == [optimizer]
     assert _instances([dead, model, optimizer], torch.nn.Module) == [model]
+
+
+# --- the [overrides] keys init suggests: what the launcher matches, not only the bare name -----------
+
+RECORD_STYLE = {
+    "train_gpt.py": """
+        from dataclasses import dataclass
+        import torch
+
+        @dataclass
+        class Hyperparameters:
+            batch_size : int = 8*64
+            sequence_length : int = 1024
+
+        @dataclass
+        class GPTConfig:
+            n_layer : int = 12
+            n_embd : int = 768
+
+        args = Hyperparameters()
+        config = GPTConfig(n_layer=12, n_embd=768)
+        model = torch.nn.Linear(config.n_embd, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        while True:
+            loss = model(torch.randn(args.batch_size, config.n_embd)).mean()
+            loss.backward()
+            opt.step()
+        """,
+}
+
+
+def test_suggested_override_keys_name_the_dataclass_and_the_call_that_passes_a_field(tmp_path):
+    found = discover_launch(write(tmp_path, RECORD_STYLE))
+    keys = {s.name: s.key for s in found.settings}
+    assert keys["batch_size"] == "Hyperparameters.batch_size"
+    assert keys["n_layer"] == "GPTConfig(n_layer)"  # passed explicitly: a class-attribute override would change nothing
+    text = render_toml(found, found.best)
+    assert 'as an override write "Hyperparameters.batch_size"' in text
+    assert 'as an override write "GPTConfig(n_layer)"' in text
+    # the suggested keys are what the launcher matches
+    plan = OverridePlan.from_overrides({"Hyperparameters.batch_size": 4, "GPTConfig(n_layer)": 2})
+    install(Path("/nonexistent-root"), OverridePlan())
+    namespace: dict = {"__name__": "not_main"}
+    source = textwrap.dedent(RECORD_STYLE["train_gpt.py"]).split("while True:")[0]
+    exec(compile_source(source, "train_gpt.py", plan, is_script=True), namespace)
+    assert plan.unmatched() == []
+    assert (namespace["args"].batch_size, namespace["config"].n_layer) == (4, 2)

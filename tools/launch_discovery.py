@@ -86,6 +86,7 @@ class Setting(_Record):
     value: str
     kind: str
     where: str  # file:line
+    key: str = ""  # the [overrides] key that changes it (the name for a constant)
 
 
 class Discovery(_Record):
@@ -262,6 +263,12 @@ def _describe_best(discovery: Discovery, root: Path, facts_of) -> None:
     for facts in sources:  # a config file's value overrides the script's default, as it does at run time
         for hint in facts.settings:
             settings[hint.name] = _setting(hint, facts.path)
+    for facts in sources:  # a dataclass field the script passes explicitly, `GPTConfig(n_layer=12)`: only a call override changes it
+        for callee, keyword, value, line in facts.call_keywords:
+            field_setting = settings.get(keyword)
+            if field_setting is not None and field_setting.key == f"{callee}.{keyword}":
+                settings[keyword] = Setting(name=keyword, value=value, kind="call keyword", where=f"{facts.path}:{line}",
+                                            key=f"{callee}({keyword})")
     order = {name: i for i, name in enumerate(SIZE_NAMES)}
     discovery.settings = sorted(settings.values(), key=lambda s: (order.get(s.name, len(order)), s.where))
     how = []
@@ -289,7 +296,7 @@ def _describe_best(discovery: Discovery, root: Path, facts_of) -> None:
 
 
 def _setting(hint: SettingHint, path: str) -> Setting:
-    return Setting(name=hint.name, value=hint.value, kind=hint.kind, where=f"{path}:{hint.line}")
+    return Setting(name=hint.name, value=hint.value, kind=hint.kind, where=f"{path}:{hint.line}", key=hint.override_key)
 
 
 def _ignored_root(text: str, rules: IgnoreRules) -> str | None:
