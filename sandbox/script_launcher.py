@@ -136,6 +136,25 @@ def missing_file_message(exc: FileNotFoundError) -> str:
             "of trainbridge.toml so every run sees it read-only; otherwise create it first")
 
 
+_NETWORK_ERRORS = ("NameResolutionError", "ConnectionError", "MaxRetryError", "URLError", "gaierror", "ConnectTimeout")
+
+
+def network_message(exc: BaseException) -> str | None:
+    """What to do when the script failed reaching the network (the sandbox has none): None for other errors."""
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    if not any(type(e).__name__ in _NETWORK_ERRORS for e in chain):
+        return None
+    return (f"the script tried to reach the network before its first optimizer step, and the sandbox has none "
+            f"({type(chain[0]).__name__}: {str(chain[0])[:300]}). It downloads something at start (a tokenizer such as "
+            "tiktoken's BPE files, a dataset, pretrained weights): fetch it once outside TrainBridge into a git-ignored "
+            "path of the repository, list it in data = [...] of trainbridge.toml and point the script at it, or "
+            "override the setting that asks for the download")
+
+
 def _from_subprocess(exc: BaseException) -> bool:
     """Whether the exception was raised while starting a child program (subprocess's exec failed)."""
     tb = exc.__traceback__
@@ -233,6 +252,9 @@ def execute(channel) -> None:
     except FileNotFoundError as exc:
         close(failure_record("bad_workload", missing_file_message(exc), exc, controller.steps_done))
     except BaseException as exc:  # the script's own error: classify, keep the traceback tail
+        network = network_message(exc)
+        if network is not None and not controller.started:
+            close(failure_record("bad_workload", network, exc, 0))
         close(failure_record(classify(exc), f"{type(exc).__name__}: {exc}", exc, controller.steps_done))
     finally:
         sys.modules["__main__"] = saved_main

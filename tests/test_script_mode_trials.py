@@ -274,3 +274,25 @@ def test_suggested_override_keys_name_the_dataclass_and_the_call_that_passes_a_f
     exec(compile_source(source, "train_gpt.py", plan, is_script=True), namespace)
     assert plan.unmatched() == []
     assert (namespace["args"].batch_size, namespace["config"].n_layer) == (4, 2)
+
+
+def test_a_download_at_start_is_explained_as_the_sandbox_having_no_network():
+    # llm.c's train_gpt2.py calls tiktoken.get_encoding("gpt2") first: a chained requests/urllib3 error
+    from trainbridge.sandbox.script_launcher import network_message
+
+    class NameResolutionError(OSError):
+        pass
+
+    class ConnectionError(OSError):  # noqa: A001 - the name the HTTP library gives it is what is matched
+        pass
+
+    try:
+        try:
+            raise NameResolutionError("Failed to resolve 'example.invalid'")
+        except NameResolutionError as inner:
+            raise ConnectionError("Max retries exceeded with url: /gpt-2/encodings/main/vocab.bpe") from inner
+    except ConnectionError as exc:
+        message = network_message(exc)
+    assert message is not None and "the sandbox has none" in message and "vocab.bpe" in message
+    assert "data = [...]" in message
+    assert network_message(ValueError("bad shape")) is None
