@@ -8,6 +8,8 @@ instead of measuring. Mounted on the root app by graph/cli.py; nothing runs at i
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import typer
@@ -79,6 +81,10 @@ def show_discovery(found: Discovery) -> None:
             _say(f"{found.best.script} runs distributed when torchrun sets RANK/WORLD_SIZE")
         if found.data_paths:
             _say(f"git-ignored paths it reads: {', '.join(found.data_paths)}")
+        if found.data_missing:
+            _say(f"git-ignored files it names but that are nowhere in the repository yet (left out of data = [...]; "
+                 f"outputs, or data not prepared yet: prepare it, then `trainbridge init --force`): "
+                 f"{', '.join(found.data_missing)}")
 
 
 def _choose(found: Discovery) -> LaunchCandidate:
@@ -129,4 +135,9 @@ def shrink_hints(found: Discovery, most: int = 6) -> str:
     from trainbridge.tools.script_facts import SIZE_NAMES
 
     sizes = [s for s in found.settings if s.name in SIZE_NAMES and literal_value(s.value) is not None]
-    return ", ".join(f"{s.name} = {literal_value(s.value)!r} ({s.where})" for s in sizes[:most])
+    return ", ".join(f"{s.name} = {literal_value(s.value)!r} ({s.where}{_key_note(s)})" for s in sizes[:most])
+
+
+def _key_note(setting) -> str:
+    key = setting.key or setting.name
+    return f"; key {json.dumps(key)}" if key != setting.name else ""

@@ -67,7 +67,16 @@ def live_objects() -> list[Any]:
 def _instances(objects: list[Any], cls: type) -> list[Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return [o for o in objects if isinstance(o, cls)]
+        return [o for o in objects if _is_instance(o, cls)]
+
+
+def _is_instance(obj: Any, cls: type) -> bool:
+    """isinstance, False for a weakref proxy whose object is gone (isinstance on it raises ReferenceError:
+    torch.compile's caches and DDP keep such proxies alive)."""
+    try:
+        return isinstance(obj, cls)
+    except ReferenceError:
+        return False
 
 
 def tracked_params() -> list[tuple[str, Any]]:

@@ -3,8 +3,9 @@
 A launch line is what the repository's authors type: an interpreter, the script (or ``-m module``)
 and its arguments. TrainBridge runs it as an argument list, so shell syntax (``&&``, ``|``, ``;``,
 redirections, ``$VAR``, backticks, ``VAR=value`` prefixes) cannot mean what it means in a shell and
-is refused with a message saying what to do instead. ``torchrun`` lines parse, and are refused at
-run time as not supported yet (`LaunchSpec.multi_process`).
+is refused with a message saying what to do instead. ``torchrun`` lines parse; one process
+(``--nproc_per_node=1``) runs with the environment torchrun would give it (`single_torchrun_env`), more
+are refused at run time as not supported yet (`LaunchSpec.multi_process`).
 """
 
 from __future__ import annotations
@@ -33,12 +34,17 @@ class LaunchSpec:
     module: str | None = None
     args: list[str] = field(default_factory=list)
     interpreter_flags: list[str] = field(default_factory=list)
-    launcher: str = "python"  # or "torchrun" (multi-process: not run yet)
+    launcher: str = "python"  # or "torchrun" (one process runs; multi-process: not run yet)
     launcher_args: list[str] = field(default_factory=list)
 
     @property
     def multi_process(self) -> bool:
-        return self.launcher != "python"
+        """More than one process: a torchrun line with --nproc_per_node above 1 or several nodes (not run yet).
+        `torchrun --standalone --nproc_per_node=1 train.py` is one process and runs, with torchrun's environment."""
+        if self.launcher == "python":
+            return False
+        options = torchrun_options(self.launcher_args)
+        return options.get("nproc_per_node", "1") != "1" or options.get("nnodes", "1") not in ("1", "1:1")
 
     def argv0(self) -> str:
         """What the script sees as sys.argv[0]: its path as written, or the module's name."""
@@ -123,3 +129,26 @@ def _torchrun(line: str, argv: list[str]) -> LaunchSpec:
         if "=" not in option and rest and not rest[0].startswith("-") and not rest[0].endswith(".py"):
             launcher_args.append(rest.pop(0))  # `--nproc_per_node 2`
     return _python(line, rest, launcher="torchrun", launcher_args=launcher_args)
+
+
+def torchrun_options(launcher_args: list[str]) -> dict[str, str]:
+    """torchrun's options as name -> value (`--nproc-per-node 2` and `--nproc_per_node=2` alike; a bare flag: "")."""
+    options: dict[str, str] = {}
+    index = 0
+    while index < len(launcher_args):
+        arg = launcher_args[index]
+        name, _, value = arg.lstrip("-").partition("=")
+        if not value and index + 1 < len(launcher_args) and not launcher_args[index + 1].startswith("-"):
+            value = launcher_args[index + 1]
+            index += 1
+        options[name.replace("-", "_")] = value
+        index += 1
+    return options
+
+
+def single_torchrun_env(master_port: int) -> dict[str, str]:
+    """The environment torchrun gives its one worker (`--standalone --nproc_per_node=1`): a script that reads
+    RANK / LOCAL_RANK / WORLD_SIZE and calls init_process_group() runs as rank 0 of a world of 1."""
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+            "ROLE_RANK": "0", "ROLE_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
+            "TORCHELASTIC_RUN_ID": "trainbridge"}

@@ -93,15 +93,76 @@ def script_code(spec: dict[str, Any], root: Path, plan) -> tuple[Any, types.Modu
     return compile_source(source, str(path), plan, is_script=True), main
 
 
+def _free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now (torchrun's MASTER_PORT for a world of one)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _loopback_up() -> str | None:
+    """Bring up the loopback interface of the sandbox's own network namespace (`unshare --net` leaves it down),
+    so a process group of one can form over 127.0.0.1; nothing outside the namespace becomes reachable.
+    Returns a note when it could not (then init_process_group waits until the timeout)."""
+    import fcntl
+    import socket
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            flags = struct.unpack("16sh", fcntl.ioctl(probe, siocgifflags, struct.pack("16sh", b"lo", 0)))[1]
+            if not flags & iff_up:
+                fcntl.ioctl(probe, siocsifflags, struct.pack("16sh", b"lo", flags | iff_up))
+    except OSError as exc:
+        return f"the loopback interface could not be brought up ({exc}): a torchrun process group may not form"
+    return None
+
+
 class ScriptNotFound(FileNotFoundError):
     """The launch line's script or module is not in the repository."""
 
 
 def missing_file_message(exc: FileNotFoundError) -> str:
     name = exc.filename or str(exc)
+    if _from_subprocess(exc):
+        return (f"the script runs a program that is not installed here: {name!r} (a subprocess, e.g. nvidia-smi on a machine "
+                "without it). Install it, or make the call run something harmless without editing the script: "
+                f"[overrides] \"run(executable)\" = \"/bin/true\" (a keyword forced on every subprocess.run call)")
     return (f"the script needs a file that is missing: {name!r} (working directory: the run's mirror of the repository). "
             "If it is git-ignored in your checkout (data, tokenizers, meta.pkl), list it or its folder in data = [...] "
             "of trainbridge.toml so every run sees it read-only; otherwise create it first")
+
+
+_NETWORK_ERRORS = ("NameResolutionError", "ConnectionError", "MaxRetryError", "URLError", "gaierror", "ConnectTimeout")
+
+
+def network_message(exc: BaseException) -> str | None:
+    """What to do when the script failed reaching the network (the sandbox has none): None for other errors."""
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    if not any(type(e).__name__ in _NETWORK_ERRORS for e in chain):
+        return None
+    return (f"the script tried to reach the network before its first optimizer step, and the sandbox has none "
+            f"({type(chain[0]).__name__}: {str(chain[0])[:300]}). It downloads something at start (a tokenizer such as "
+            "tiktoken's BPE files, a dataset, pretrained weights): fetch it once outside TrainBridge into a git-ignored "
+            "path of the repository, list it in data = [...] of trainbridge.toml and point the script at it, or "
+            "override the setting that asks for the download")
+
+
+def _from_subprocess(exc: BaseException) -> bool:
+    """Whether the exception was raised while starting a child program (subprocess's exec failed)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(("subprocess.py", "_posixsubprocess.py")):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def execute(channel) -> None:
@@ -112,6 +173,7 @@ def execute(channel) -> None:
     from trainbridge.sandbox.script_hooks import ScriptFailure, StepController, install_step_hooks
     from trainbridge.sandbox.script_seeds import SeedControl
     from trainbridge.sandbox.script_overrides import OverridePlan, apply_argv, install
+    from trainbridge.sandbox.script_launch import single_torchrun_env
 
     request = channel.recv()
     state: dict[str, Any] = {"guard": None, "controller": None, "seeds": None, "backend": None}
@@ -159,6 +221,11 @@ def execute(channel) -> None:
         if not spec.get("script"):
             sys.path.insert(1, str(root))
         sys.argv = [spec["script"] or spec["module"], *apply_argv(spec.get("args", []), request.get("overrides", {}))]
+        if spec.get("launcher") == "torchrun":  # one process (more are refused before the child starts)
+            note = _loopback_up()
+            if note:
+                print(f"trainbridge: {note}", file=sys.stderr)
+            os.environ.update(single_torchrun_env(_free_port()))
         seeds = state["seeds"] = SeedControl(int(request["seed"])).install()
         seeds.seed_everything()
         controller = state["controller"] = StepController(channel, backend, check_ready=plan.unmatched, close=close,
@@ -185,6 +252,9 @@ def execute(channel) -> None:
     except FileNotFoundError as exc:
         close(failure_record("bad_workload", missing_file_message(exc), exc, controller.steps_done))
     except BaseException as exc:  # the script's own error: classify, keep the traceback tail
+        network = network_message(exc)
+        if network is not None and not controller.started:
+            close(failure_record("bad_workload", network, exc, 0))
         close(failure_record(classify(exc), f"{type(exc).__name__}: {exc}", exc, controller.steps_done))
     finally:
         sys.modules["__main__"] = saved_main

@@ -3,7 +3,9 @@
 Key syntax (also in sandbox/workload.py's docstring and the README):
 
 - ``batch_size``: a module-level constant of the script; an assignment of the override's value is
-  compiled in right after each of the script's own top-level assignments of that name;
+  compiled in right after each of the script's own top-level assignments of that name, and again
+  after a top-level ``exec(...)`` / ``globals().update(...)`` (a configurator that runs config files
+  and ``--key=value`` arguments into the module's globals);
 - ``--max_iters``: a command-line argument, ``--max_iters=<value>`` replacing the launch line's
   (``--max_iters=..`` or ``--max_iters ..``) or appended; ``true`` adds the bare flag, ``false``
   removes it;
@@ -145,9 +147,26 @@ class OverridePlan:
                 self.seen_names.add(name)
                 if name in self.constants:
                     self.matched.add(name)
-                    out.append(ast.copy_location(ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())],
-                                                            value=_literal(self.constants[name])), statement))
+                    out.append(self._assignment(name, statement))
+            if _rebinds_globals(statement):  # nanoGPT's `exec(open('configurator.py').read())` runs a config file
+                out += [self._assignment(name, statement) for name in self.constants if name in self.matched]
         return out
+
+    def _assignment(self, name: str, where: ast.stmt) -> ast.stmt:
+        return ast.copy_location(ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())],
+                                            value=_literal(self.constants[name])), where)
+
+
+def _rebinds_globals(statement: ast.stmt) -> bool:
+    """A top-level `exec(...)` or `globals().update(...)`: it may assign any module-level name (a config
+    file's values), so the constant overrides are applied again after it."""
+    if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)):
+        return False
+    func = statement.value.func
+    if isinstance(func, ast.Name):
+        return func.id == "exec"
+    return (isinstance(func, ast.Attribute) and func.attr == "update" and isinstance(func.value, ast.Call)
+            and isinstance(func.value.func, ast.Name) and func.value.func.id == "globals")
 
 
 def _assigned_names(statement: ast.stmt) -> list[str]:

@@ -68,7 +68,8 @@ def launch_problem(workload: Workload) -> str | None:
     spec = parse_launch(workload.config.launch or "")
     if spec.multi_process:
         return (f"launch line {spec.line!r}: multi-process launches ({spec.launcher}) are not supported yet in script mode; run one "
-                f"process for now: launch = \"python {spec.script or '-m ' + (spec.module or '')} ...\"")
+                f"process for now: launch = \"torchrun --standalone --nproc_per_node=1 {spec.script or '-m ' + (spec.module or '')} ...\" "
+                f"(torchrun's environment, a world of one) or launch = \"python {spec.script or '-m ' + (spec.module or '')} ...\"")
     if spec.script is not None and not (workload.root / spec.script).is_file():
         near = sorted(p.name for p in workload.root.glob("*.py"))[:8]
         return (f"script {spec.script!r} of launch line {spec.line!r} not found in {workload.root}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import operator
 import tomllib
 from datetime import date
@@ -82,6 +83,9 @@ def render_toml(found: Discovery, chosen: LaunchCandidate, *, today: date | None
     else:
         lines += ["# No git-ignored path was seen referenced; list data folders here if the script reads any:",
                   "# data = [\"data/\"]", ""]
+    if found.data_missing:
+        lines += ["# Named by the script, ignored by git, but nowhere in the repository yet (outputs, or data not",
+                  f"# prepared yet; add them once they exist): {', '.join(found.data_missing)}", ""]
     lines += _override_hints(found)
     text = "\n".join(lines).rstrip("\n") + "\n"
     tomllib.loads(text)  # a bug here must not leave an unreadable file behind
@@ -103,9 +107,18 @@ def _override_hints(found: Discovery) -> list[str]:
     return lines
 
 
+def _toml_key(setting: Setting) -> str:
+    """The [overrides] key as TOML writes it: bare for a name, quoted for `Cls.field`, `--flag`, `Cls(kw)`."""
+    key = setting.key or setting.name
+    return key if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key) else json.dumps(key)
+
+
 def _hint(setting: Setting, width: int) -> str:
     value = literal_value(setting.value)
     where = f"{setting.kind}, {setting.where}"
+    key = _toml_key(setting)
+    if key != setting.name:  # the bare name is what one reads; the key is what the launcher matches
+        where += f"; as an override write {key}"
     if value is None:
         return f"# {setting.name:<{width}}   (default {setting.value}: no literal; {where})"
     shown = toml_value(value)

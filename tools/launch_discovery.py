@@ -32,6 +32,7 @@ _SKIPPED_DIRS = {".git", ".venv", "venv", "env", "node_modules", "__pycache__", 
                  ".tox", ".mypy_cache", ".pytest_cache", "wandb"}
 _MAX_DEPTH = 4
 _MAX_FILES = 5000
+_DATA_SEARCH_LIMIT = 50_000  # files looked at when a bare data name is searched for below the root
 
 
 class EvidenceKind(StrEnum):
@@ -85,6 +86,7 @@ class Setting(_Record):
     value: str
     kind: str
     where: str  # file:line
+    key: str = ""  # the [overrides] key that changes it (the name for a constant)
 
 
 class Discovery(_Record):
@@ -94,6 +96,7 @@ class Discovery(_Record):
     skipped: list[str] = Field(default_factory=list)  # launch lines that were not taken, and why
     settings: list[Setting] = Field(default_factory=list)  # of the best candidate's script, sizes first
     data_paths: list[str] = Field(default_factory=list)  # read by the best script, ignored by git
+    data_missing: list[str] = Field(default_factory=list)  # bare names it reads that are nowhere on disk yet
     configurable_by: list[str] = Field(default_factory=list)  # how the best script takes settings
     distributed: bool = False  # the best script initialises torch.distributed / reads RANK
 
@@ -260,6 +263,12 @@ def _describe_best(discovery: Discovery, root: Path, facts_of) -> None:
     for facts in sources:  # a config file's value overrides the script's default, as it does at run time
         for hint in facts.settings:
             settings[hint.name] = _setting(hint, facts.path)
+    for facts in sources:  # a dataclass field the script passes explicitly, `GPTConfig(n_layer=12)`: only a call override changes it
+        for callee, keyword, value, line in facts.call_keywords:
+            field_setting = settings.get(keyword)
+            if field_setting is not None and field_setting.key == f"{callee}.{keyword}":
+                settings[keyword] = Setting(name=keyword, value=value, kind="call keyword", where=f"{facts.path}:{line}",
+                                            key=f"{callee}({keyword})")
     order = {name: i for i, name in enumerate(SIZE_NAMES)}
     discovery.settings = sorted(settings.values(), key=lambda s: (order.get(s.name, len(order)), s.where))
     how = []
@@ -273,16 +282,21 @@ def _describe_best(discovery: Discovery, root: Path, facts_of) -> None:
     discovery.distributed = script.distributed
     rules = IgnoreRules.of(root)
     data: list[str] = []
+    missing: list[str] = []
     for facts in sources:
         for text, _line in facts.path_strings:
             path = _ignored_root(text, rules)
-            if path is not None and path not in data:
-                data.append(path)
+            if path is None:
+                continue
+            for found in _located(root, path, rules, missing):
+                if found not in data:
+                    data.append(found)
     discovery.data_paths = data
+    discovery.data_missing = missing
 
 
 def _setting(hint: SettingHint, path: str) -> Setting:
-    return Setting(name=hint.name, value=hint.value, kind=hint.kind, where=f"{path}:{hint.line}")
+    return Setting(name=hint.name, value=hint.value, kind=hint.kind, where=f"{path}:{hint.line}", key=hint.override_key)
 
 
 def _ignored_root(text: str, rules: IgnoreRules) -> str | None:
@@ -300,3 +314,30 @@ def _ignored_root(text: str, rules: IgnoreRules) -> str | None:
     if parts and (len(parts) > 1 or clean.endswith("/")) and rules.ignores_inside(parts[0]):
         return parts[0] + "/"  # e.g. `data/**/*.bin`: the data under the folder is ignored, not the folder
     return None
+
+
+def _located(root: Path, path: str, rules: IgnoreRules, missing: list[str]) -> list[str]:
+    """Where an ignored path the script names lies, relative to the root. A bare name (`train.bin`,
+    usually joined to a folder at run time: `os.path.join(data_dir, "train.bin")`) that is not at the
+    root is looked for below it: every ignored file of that name, by its path; one found nowhere is
+    left out (a data entry that does not exist stops every run) and noted in `missing`."""
+    if "/" in path.rstrip("/") or os.path.lexists(root / path):
+        return [path]
+    hits = [rel for rel in _files_named(root, path.rstrip("/")) if rules.ignored(rel, is_dir=False)]
+    if not hits and path not in missing:
+        missing.append(path)
+    return hits
+
+
+def _files_named(root: Path, name: str, limit: int = _DATA_SEARCH_LIMIT) -> list[str]:
+    """Paths (relative, sorted) of the files called `name` below `root`, hidden and environment folders skipped."""
+    hits: list[str] = []
+    seen = 0
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIPPED_DIRS)
+        seen += len(files)
+        if name in files:
+            hits.append(Path(folder, name).relative_to(root).as_posix())
+        if seen > limit:
+            break
+    return sorted(hits)

@@ -33,8 +33,13 @@ class SettingHint:
 
     name: str
     value: str  # the default as written in the source
-    kind: str  # "constant" | "dataclass field" | "argparse option"
+    kind: str  # "constant" | "dataclass field" | "argparse option" | "call keyword"
     line: int
+    key: str = ""  # its [overrides] key: `batch_size`, `Hyperparameters.batch_size`, `--batch-size`, `GPTConfig(n_layer)`
+
+    @property
+    def override_key(self) -> str:
+        return self.key or self.name
 
 
 @dataclass
@@ -54,6 +59,7 @@ class ScriptFacts:
     settings: list[SettingHint] = field(default_factory=list)
     path_strings: list[tuple[str, int]] = field(default_factory=list)
     imports: list[str] = field(default_factory=list)  # modules it imports (relative ones with their dots)
+    call_keywords: list[tuple[str, str, str, int]] = field(default_factory=list)  # `GPTConfig(n_layer=12)`: class, keyword, value, line
     only_assignments: bool = False  # a config file: nothing but `name = literal` lines
     syntax_error: str | None = None
 
@@ -107,7 +113,7 @@ def read_script_facts(root: Path, rel: str) -> ScriptFacts:
             for item in node.body:
                 if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) and item.value is not None:
                     facts.settings.append(SettingHint(item.target.id, ast.unparse(item.value), "dataclass field",
-                                                      item.lineno))
+                                                      item.lineno, key=f"{node.name}.{item.target.id}"))
         elif isinstance(node, ast.Subscript) and _is_environ(node.value) and _const(node.slice) in ("RANK", "LOCAL_RANK",
                                                                                                  "WORLD_SIZE"):
             facts.distributed = True
@@ -118,6 +124,9 @@ def read_script_facts(root: Path, rel: str) -> ScriptFacts:
 
 def _read_call(node: ast.Call, facts: ScriptFacts) -> None:
     name = _dotted(node.func)
+    callee = name.rsplit(".", 1)[-1]
+    facts.call_keywords += [(callee, k.arg, ast.unparse(k.value), node.lineno) for k in node.keywords
+                            if k.arg is not None and isinstance(k.value, ast.Constant) and callee[:1].isupper()]
     if name.endswith(".backward") or name == "backward":
         facts.backward_lines.append(node.lineno)
     elif _OPTIMIZER_CALL.search(name) or name.rsplit(".", 1)[-1] in _OPTIMIZER_FACTORIES:
@@ -130,7 +139,7 @@ def _read_call(node: ast.Call, facts: ScriptFacts) -> None:
         flag = _const(node.args[0])
         if flag.startswith("--"):
             default = next((ast.unparse(k.value) for k in node.keywords if k.arg == "default"), "")
-            facts.settings.append(SettingHint(flag[2:].replace("-", "_"), default, "argparse option", node.lineno))
+            facts.settings.append(SettingHint(flag[2:].replace("-", "_"), default, "argparse option", node.lineno, key=flag))
     elif name in ("exec", "runpy.run_path") and "configurator" in ast.unparse(node):
         facts.uses_configurator = True
         facts.configurator_line = min(node.lineno, facts.configurator_line or node.lineno)
