@@ -28,7 +28,7 @@ from trainbridge.graph.stops import NO_INTENTS, RunStopped, limit_reached, stop_
 from trainbridge.knowledge.schema import Outcome
 from trainbridge.records import Intent
 from trainbridge.sandbox.backends import npu_emulated
-from trainbridge.sandbox.workload import Workload, load_workload
+from trainbridge.sandbox.workload import Workload
 
 
 PARTS_KEY = "_parts"  # a node's sub-phase seconds; builder.timed moves them into `phase_times`

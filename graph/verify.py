@@ -146,10 +146,12 @@ def _verify(config, paths, availability, *, gate, rounds, min_gain, confidence, 
 
 
 def _replay(workspace, commit, known: dict[str, dict], knowledge, *, backend: str, gate, confidence: float, rounds: int,
-            min_gain: float, say, workload=load_workload) -> ReplayOutcome:
+            min_gain: float, say, workload=None) -> ReplayOutcome:
     from trainbridge.agents.profiler.gate import GateError, run_gate
     from trainbridge.sandbox.workload import load_workload
     from trainbridge.tools.git_ops import NothingToAccept
+
+    workload = workload or load_workload  # the run's own way of loading a worktree (RunConfig.workload)
 
     original = commit.candidate()
     name = replay_name(original, commit.sha)
