@@ -228,3 +228,30 @@ def test_template_parenthesises_bound_code_only_where_needed():
     assert "z = f(~(r == 0), x=(p + q), y=(p + q).t())" in edit.source
     plain = recipe(match={"kind": "expression", "params": {"pattern": "g($a)"}}, replacement="h($a, k=$a)", imports=[])
     assert "h(p + q, k=p + q)" in apply_recipe("g(p + q)\n", plain, SourceSpan(file="t.py", line_start=1, line_end=1)).source
+
+
+def test_two_rewritten_logging_sites_in_one_file_keep_counters_of_their_own():
+    """Found on a Modded-NanoGPT record: its print and its log-file write, both rewritten by host-sync-inline-log-every,
+    shared one counter, so it advanced twice per step: the print ran every 5th step and the write never."""
+    import torch
+    import yaml
+
+    path = Path(__file__).resolve().parent.parent / "knowledge" / "recipes" / "host-sync-inline-log-every.yaml"
+    inline = parse_recipe(yaml.safe_load(path.read_text(encoding="utf-8")), path.name)
+    source = (
+        "import torch\n"
+        "LOG = []\n"
+        "def step(i, loss):\n"
+        "    LOG.append(('print', i, loss.item()))\n"
+        "    LOG.append(('write', i, loss.item()))\n"
+    )
+    once = apply_recipe(source, inline, SourceSpan(file="m.py", line_start=4, line_end=4)).source
+    write_line = once.splitlines().index("    LOG.append(('write', i, loss.item()))") + 1
+    twice = apply_recipe(once, inline, SourceSpan(file="m.py", line_start=write_line, line_end=write_line)).source
+    namespace: dict = {}
+    exec(compile(twice, "m.py", "exec"), namespace)
+    for i in range(25):
+        namespace["step"](i, torch.tensor(float(i)))
+    logged = namespace["LOG"]
+    assert [i for kind, i, _ in logged if kind == "print"] == [0, 10, 20]
+    assert [i for kind, i, _ in logged if kind == "write"] == [0, 10, 20]

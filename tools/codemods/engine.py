@@ -49,8 +49,24 @@ class Edit:
     notes: list[str] = field(default_factory=list)
 
 
+SITE_TOKEN = "{site}"  # in a recipe's replacement and define: the first line of the span, so each site gets names of its own
+
+
+def per_site(recipe: Recipe, span: SourceSpan) -> Recipe:
+    """The recipe with `SITE_TOKEN` replaced by this site's line (two rewritten sites of one file must not
+    share helper state, e.g. the logging counter of host-sync-*: shared, each site would log less often)."""
+    define = recipe.match.params.get("define")
+    if SITE_TOKEN not in recipe.replacement and not (define and SITE_TOKEN in str(define)):
+        return recipe
+    site = str(span.line_start)
+    params = {**recipe.match.params, **({"define": str(define).replace(SITE_TOKEN, site)} if define else {})}
+    return recipe.model_copy(update={"replacement": recipe.replacement.replace(SITE_TOKEN, site),
+                                     "match": recipe.match.model_copy(update={"params": params})})
+
+
 def apply_recipe(source: str, recipe: Recipe, span: SourceSpan) -> Edit:
     """Rewrite the part of `source` (the file `span.file`) that `recipe` matches inside `span`."""
+    recipe = per_site(recipe, span)
     try:
         module = cst.parse_module(source)
     except cst.ParserSyntaxError as exc:
