@@ -13,8 +13,8 @@ Two ways to run a plan:
 - `drive_pair`: two children alive at once, their timed steps alternated one by one (A, B, B, A,
   A, B, ...: who goes first swaps every step), so that the two sides of a comparison are timed
   milliseconds apart instead of seconds: the machine's slow drifts (frequency, a neighbour's load)
-  fall on both alike. Both start, import and build at the same time (half the wall time of two
-  children in a row). Between steps the parent reads both process trees: the CPU a child used
+  fall on both alike. Both start and import at the same time; they compute (probe, steps) in
+  turns. Between steps the parent reads both process trees: the CPU a child used
   while the *other* was being timed (`idle_cpu_s`: work done to slow its partner shows there), and
   what another process did to it (stopped it, lowered its priority, narrowed its cores:
   `interference`).
@@ -122,22 +122,21 @@ def drive_pair(first: ChildSpec, second: ChildSpec, *, orphans_to: int = 1,
 
 
 def _setup(children: list[DrivenChild], deadline: float) -> None:
-    """The request, then (when planned) the probe and the mark: each command sent to every child
-    before any reply is awaited, so that several children prepare at the same time."""
+    """The request to every child at once (interpreter start and imports overlap), then, one child
+    at a time, the probe and the mark (when planned). Two children computing at once would each run
+    their threads on cores the other holds: OpenMP's spin-waits make that many times slower than
+    taking turns (a paired llama round's set-up: 11-28 s at once)."""
     for child in children:
         child.guarded(child.send, child.spec.request)
     for child in children:
         child.guarded(child.expect, "ready", deadline)
-    plan_probe = [c for c in children if c.spec.plan.probe is not None]
-    for child in plan_probe:
-        child.guarded(child.send, {"op": "probe", **child.spec.plan.probe})
-    for child in plan_probe:
-        child.out.probe = child.guarded(child.expect, "probe", deadline)["report"]
-    marking = [c for c in children if c.spec.plan.deltas_path is not None]
-    for child in marking:
-        child.guarded(child.send, {"op": "mark"})
-    for child in marking:
-        child.guarded(child.expect, "mark", deadline)
+    for child in children:
+        if child.spec.plan.probe is not None:
+            child.guarded(child.send, {"op": "probe", **child.spec.plan.probe})
+            child.out.probe = child.guarded(child.expect, "probe", deadline)["report"]
+        if child.spec.plan.deltas_path is not None:
+            child.guarded(child.send, {"op": "mark"})
+            child.guarded(child.expect, "mark", deadline)
 
 
 def _record_phase(child: DrivenChild, before, after, *, own_cpu_ns: int | None, own_wall_ns: int) -> None:
