@@ -8,11 +8,15 @@
    its round is the first or a later one: the numerics probe on the freshly built parts, then
    warm-up, measured and one cool-down step driven and timed by this process over the control
    channel (sandbox/step_driver.py), then the parameters' changes over those steps. Nothing tells the
-   code under test whether it is being checked or timed: it is always both.
+   code under test whether it is being checked or timed: it is always both. With ``pairing``
+   "paired" (the CPU default: `default_pairing`) both children of a round are alive at once and
+   their timed steps alternate one by one, the side that leads swapping every round; "sequential"
+   runs one child after the other.
 3. **Checks of every round**, cheapest and most decisive first: a failure of the candidate becomes
    the matching typed rejection (crashed, timed_out, out_of_memory, import_error); its conduct while
    timed (`conduct`: the control channel, its own clock against the gate's, cores, priority,
-   processes that outlive it, files written into its worktree); gate-gaming signs in its probe
+   processes that outlive it, files written into its worktree, and in a paired round what it did
+   while the baseline was timed and to the baseline); gate-gaming signs in its probe
    (`integrity.check_probes`); the probe's gradients and losses (`numerics`); the losses of every
    timed step and each parameter's change over them against the baseline's (the timed steps are
    checked as hard as the probe), at tolerances no tighter than ten times the baseline's own drift
@@ -22,7 +26,8 @@
    ``speed_unmeasured_numerics_ok``.
 4. **Decision** on the per-round medians of the parent-timed measured steps (`stats.gate_decision`):
    ``rounds`` rounds, up to ``max_rounds`` when the first look is inconclusive but shows a gain or
-   loss of at least ``min_gain``.
+   loss of at least ``min_gain``. A round in which the baseline got far fewer cores than on a quiet
+   round is left out and measured again (`quiet`), up to half the planned rounds.
 
 A failure of the *baseline* is not the candidate's fault: it raises `GateError`.
 """
