@@ -3,10 +3,12 @@
 The design, and why:
 
 - **Paired rounds.** The gate runs baseline and candidate in alternating order (AB BA AB ...), one
-  fresh child per side per round. Round i's baseline and candidate ran seconds apart, so slow
-  drift of a shared machine (other jobs, thermal state) hits both alike. The unit of evidence is
-  the per-round ratio ``median(candidate steps of round i) / median(baseline steps of round i)``:
-  the median inside a round discards single-step hiccups (a page fault, a context switch).
+  fresh child per side per round; under the CPU default the two children of a round are alive at
+  once and their steps alternate (agents/profiler/gate.py), so round i's two sides ran
+  milliseconds apart and the machine's drift (other jobs, thermal state) hits both alike. The
+  unit of evidence is the per-round ratio ``median(candidate steps of round i) / median(baseline
+  steps of round i)``: the median inside a round discards single-step hiccups (a page fault, a
+  context switch).
 - **Log scale.** Ratios are analysed as ``d_i = log(ratio_i)``, so 0.9x and 1/0.9x are symmetric
   and the result is a ratio again after ``exp``.
 - **Point estimate: the median of the d_i.** Robust to a round that a neighbour's job slowed
