@@ -43,8 +43,9 @@ class ChildWatch(Record):
     survivors: list[str] = Field(default_factory=list, description="processes that escaped the child's process group and outlived it")
     protocol_violations: list[str] = Field(default_factory=list, description="messages on the control channel the harness did not send")
     replaced: list[str] = Field(default_factory=list, description="clocks, sync and harness functions the workload rebound (sandbox/guard.py)")
-    idle_cpu_s: float | None = Field(default=None, description="paired runs: CPU of the child's tree while the other child was timed")
-    idle_wall_s: float | None = Field(default=None, description="paired runs: wall time of the other child's timed steps")
+    idle_cpu_s: float | None = Field(default=None, description="paired runs: CPU of the child's tree while the other child was "
+                                      "timed, over the other's second step in a row (the child's own spin-waits are over by then)")
+    idle_wall_s: float | None = Field(default=None, description="paired runs: wall time of those steps of the other child")
     interference: list[str] = Field(default_factory=list, description="paired runs: what another process did to this child "
                                     "(stopped it, lowered its priority, narrowed its cores)")
 

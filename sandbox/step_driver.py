@@ -15,7 +15,8 @@ Two ways to run a plan:
   milliseconds apart instead of seconds: the machine's slow drifts (frequency, a neighbour's load)
   fall on both alike. Both start and import at the same time; they compute (probe, steps) in
   turns. Between steps the parent reads both process trees: the CPU a child used
-  while the *other* was being timed (`idle_cpu_s`: work done to slow its partner shows there), and
+  while the *other* was being timed (`idle_cpu_s`, over the partner's second step in a row, when the
+  child's own spin-waits are over: work done to slow its partner shows there), and
   what another process did to it (stopped it, lowered its priority, narrowed its cores:
   `interference`).
 """
@@ -82,6 +83,7 @@ def drive_pair(first: ChildSpec, second: ChildSpec, *, orphans_to: int = 1,
     a.siblings, b.siblings = {b.pid}, {a.pid}
     deadline = time.monotonic() + max(first.timeout_s, second.timeout_s)
     own_cpu, idle_cpu, own_wall, idle_wall = [0, 0], [0, 0], [0, 0], [0, 0]
+    previous: int | None = None  # who stepped last
     try:
         _setup(children, deadline)
         samples = [c.sample() for c in children]
@@ -97,13 +99,20 @@ def drive_pair(first: ChildSpec, second: ChildSpec, *, orphans_to: int = 1,
                 current.guarded(current.step, phase, index, deadline)
                 wall = time.perf_counter_ns() - t0
                 now = [c.sample() for c in children]
+                # the idle side's CPU counts only over the partner's second step in a row (A B *B* A A *B* ...):
+                # right after its own step a side's threads may still spin-wait for a few milliseconds (OpenMP,
+                # more in compiled code), which is not work against the partner; one step later it must be idle
+                far = previous == who
                 for i in (0, 1):
-                    if now[i] is not None and samples[i] is not None:
-                        delta = now[i].cpu_ns - samples[i].cpu_ns
-                        (own_cpu if i == who else idle_cpu)[i] += delta
-                    (own_wall if i == who else idle_wall)[i] += wall
+                    delta = now[i].cpu_ns - samples[i].cpu_ns if now[i] is not None and samples[i] is not None else None
+                    if i == who:
+                        own_cpu[i] += delta or 0
+                        own_wall[i] += wall
+                    elif far:
+                        idle_cpu[i] += delta or 0
+                        idle_wall[i] += wall
                     children[i].note_interference()
-                samples = now
+                samples, previous = now, who
             if on_progress is not None:
                 on_progress(k + 1)
         for i, child in enumerate(children):

@@ -94,3 +94,51 @@ def test_sequential_pairing_still_judges_and_a_bad_choice_is_an_error(monkeypatc
     monkeypatch.setenv("TRAINBRIDGE_GATE_PAIRING", "both")
     with pytest.raises(GateError, match="choose one of paired, sequential"):
         default_pairing("cpu")
+
+
+SPIN_AFTER_OWN_STEP = '''
+import threading as _threading
+import time as _time
+
+_honest_build = build
+_stepped = _threading.Event()
+
+
+def _spin_after_steps():  # like a threading runtime that spin-waits for a while after a parallel region
+    while True:
+        _stepped.wait()
+        _stepped.clear()
+        until = _time.perf_counter() + 0.015
+        while _time.perf_counter() < until:
+            pass
+
+
+_threading.Thread(target=_spin_after_steps, daemon=True).start()
+
+
+def build(device, seed):
+    parts = _honest_build(device, seed)
+    honest = parts["train_step"]
+
+    def train_step(model, optimizer, batch):
+        loss = honest(model, optimizer, batch)
+        _stepped.set()
+        return loss
+
+    parts["train_step"] = train_step
+    return parts
+'''
+
+
+def test_spin_waits_right_after_a_sides_own_step_are_not_work_against_its_partner(tmp_path):
+    """Found on nanoGPT with a regional torch.compile: compiled code's threads spin a few ms after each
+    step, into the partner's next step; only the partner's second step in a row counts (A B *B* A ...)."""
+    import shutil
+
+    baseline, candidate = tmp_path / "baseline", tmp_path / "candidate"
+    shutil.copytree(REDTEAM_BASE, baseline)
+    shutil.copytree(REDTEAM_BASE, candidate)
+    step = candidate / "step.py"
+    step.write_text(step.read_text() + SPIN_AFTER_OWN_STEP, encoding="utf-8")
+    verdict = run_gate(load_workload(baseline), load_workload(candidate), rounds=2, max_rounds=2, rng=random.Random(9))
+    assert verdict.reason in (VerdictReason.not_significant, VerdictReason.slower), verdict.message
