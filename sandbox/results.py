@@ -46,6 +46,10 @@ class ChildWatch(Record):
     idle_cpu_s: float | None = Field(default=None, description="paired runs: CPU of the child's tree while the other child was "
                                       "timed, over the other's second step in a row (the child's own spin-waits are over by then)")
     idle_wall_s: float | None = Field(default=None, description="paired runs: wall time of those steps of the other child")
+    near_idle_cpu_s: float | None = Field(default=None, description="paired runs: CPU of the child's tree over the other's "
+                                          "steps right after its own (its spin-waits fall there)")
+    near_idle_wall_s: float | None = None
+    near_idle_steps: int = 0
     interference: list[str] = Field(default_factory=list, description="paired runs: what another process did to this child "
                                     "(stopped it, lowered its priority, narrowed its cores)")
 

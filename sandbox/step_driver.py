@@ -83,6 +83,7 @@ def drive_pair(first: ChildSpec, second: ChildSpec, *, orphans_to: int = 1,
     a.siblings, b.siblings = {b.pid}, {a.pid}
     deadline = time.monotonic() + max(first.timeout_s, second.timeout_s)
     own_cpu, idle_cpu, own_wall, idle_wall = [0, 0], [0, 0], [0, 0], [0, 0]
+    near_cpu, near_wall, near_steps = [0, 0], [0, 0], [0, 0]
     previous: int | None = None  # who stepped last
     try:
         _setup(children, deadline)
@@ -111,6 +112,10 @@ def drive_pair(first: ChildSpec, second: ChildSpec, *, orphans_to: int = 1,
                     elif far:
                         idle_cpu[i] += delta or 0
                         idle_wall[i] += wall
+                    else:  # judged with an allowance for spin-waits per step (agents/profiler/conduct.py)
+                        near_cpu[i] += delta or 0
+                        near_wall[i] += wall
+                        near_steps[i] += 1
                     children[i].note_interference()
                 samples, previous = now, who
             if on_progress is not None:
@@ -119,6 +124,9 @@ def drive_pair(first: ChildSpec, second: ChildSpec, *, orphans_to: int = 1,
             _record_phase(child, starts[i], samples[i], own_cpu_ns=own_cpu[i], own_wall_ns=own_wall[i])
             child.out.watch.idle_cpu_s = idle_cpu[i] / 1e9 if samples[i] is not None else None
             child.out.watch.idle_wall_s = idle_wall[i] / 1e9
+            child.out.watch.near_idle_cpu_s = near_cpu[i] / 1e9 if samples[i] is not None else None
+            child.out.watch.near_idle_wall_s = near_wall[i] / 1e9
+            child.out.watch.near_idle_steps = near_steps[i]
         for child in children:
             child.guarded(child.finish, deadline)
     except ChildStopped as stopped:

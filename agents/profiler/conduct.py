@@ -45,6 +45,7 @@ HELPER_SHARE = 0.1  # helpers' CPU beyond the baseline's, as a share of the time
 MAX_LISTED = 5
 IDLE_SHARE = 0.05  # CPU while the partner is timed, beyond the baseline's, as a share of the partner's step time
 IDLE_SLACK_S = 0.02
+SPIN_PER_STEP_S = 0.005  # right after its own step a side may spin-wait this long into the partner's (observed: ~4 ms, compiled code)
 
 
 _TIMING_NAMES = ("time.", "torch.cuda.synchronize", "torch.cuda.Event", "torch.npu.synchronize", "trainbridge.sandbox.backends.")
@@ -149,6 +150,15 @@ def check_partner(baseline: RunResult, candidate: RunResult, where: str) -> list
             f"{where}: the candidate used {watch.idle_cpu_s * 1e3:.0f} ms of CPU during the {watch.idle_wall_s * 1e3:.0f} ms the baseline "
             f"was being timed (the baseline used {base_idle * 1e3:.0f} ms while the candidate was): work that slows the side it "
             "is compared with")))
+        return findings
+    if watch.near_idle_cpu_s is not None and watch.near_idle_wall_s:
+        base_near = (base.near_idle_cpu_s or 0.0) if base is not None else 0.0
+        allowed = base_near + SPIN_PER_STEP_S * watch.near_idle_steps + IDLE_SHARE * watch.near_idle_wall_s + IDLE_SLACK_S
+        if watch.near_idle_cpu_s > allowed:
+            findings.append(Finding(kind=FindingKind.tampered_resources, message=(
+                f"{where}: right after its own steps the candidate used {watch.near_idle_cpu_s * 1e3:.0f} ms of CPU during the "
+                f"{watch.near_idle_wall_s * 1e3:.0f} ms the baseline was being timed ({watch.near_idle_steps} steps; the baseline used "
+                f"{base_near * 1e3:.0f} ms): more than threads spin-waiting after a step, work that slows the side it is compared with")))
     return findings
 
 
