@@ -249,7 +249,7 @@ class DrivenChild:
                 _add(watch.interference, f"the child was {what} by another process")
         except ChildProcessError:
             pass
-        for tid, nice in proc_watch.thread_nices(self.pid):
+        for tid, nice, _ in proc_watch.thread_stats(self.pid):
             if nice > self.base_nice:
                 _add(watch.interference, f"a thread of the child was moved to nice {nice} (the gate starts it at {self.base_nice})")
             try:

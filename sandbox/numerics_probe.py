@@ -136,10 +136,11 @@ def _loss_value(loss: Any) -> float:
 def _fingerprints(named: list) -> dict[str, tuple[int, int]]:
     """An exact fingerprint of each parameter's bits: any changed element changes it (barring an
     exact cancellation of two weighted integer sums)."""
-    return {name: _bits_fingerprint(p) for name, p in named}
+    return {name: bits_fingerprint(p) for name, p in named}
 
 
-def _bits_fingerprint(tensor) -> tuple[int, int]:
+def bits_fingerprint(tensor) -> tuple[int, int]:
+    """An exact fingerprint of a tensor's bits (any changed element changes it); script mode's probe uses it too."""
     import torch
 
     flat = tensor.detach().reshape(-1)

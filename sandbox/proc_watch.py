@@ -86,24 +86,8 @@ def thread_cpu_ns(pid: int) -> int | None:
     return total
 
 
-def thread_nices(pid: int) -> list[tuple[int, int]]:
-    """(thread id, nice) of every live thread of `pid`."""
-    out = []
-    try:
-        tasks = list((_PROC / str(pid) / "task").iterdir())
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return out
-    for task in tasks:
-        try:
-            text = (task / "stat").read_text()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        out.append((int(task.name), int(text[text.rindex(")") + 2:].split()[16])))
-    return out
-
-
-def thread_policies(pid: int) -> list[tuple[int, int]]:
-    """(nice, policy) of every live thread of `pid` (a thread's priority can differ from its process's)."""
+def thread_stats(pid: int) -> list[tuple[int, int, int]]:
+    """(thread id, nice, policy) of every live thread of `pid` (a thread's priority can differ from its process's)."""
     out = []
     try:
         tasks = list((_PROC / str(pid) / "task").iterdir())
@@ -115,7 +99,7 @@ def thread_policies(pid: int) -> list[tuple[int, int]]:
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
         rest = text[text.rindex(")") + 2:].split()
-        out.append((int(rest[16]), int(rest[38]) if len(rest) > 38 else 0))
+        out.append((int(task.name), int(rest[16]), int(rest[38]) if len(rest) > 38 else 0))
     return out
 
 
@@ -213,7 +197,7 @@ def sample_tree(pid: int, *, base_nice: int, reaper_pid: int | None, since_ticks
     helpers = sum(k.cpu_ns for k in kids)
     cpu += helpers
     raised = []
-    for nice, policy in thread_policies(pid):
+    for _, nice, policy in thread_stats(pid):
         if nice < base_nice:
             raised.append(f"a thread of the child runs at nice {nice} (the gate starts it at {base_nice})")
         if policy not in _NORMAL_POLICIES:

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_INT_VIEW_BY_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+from trainbridge.sandbox.numerics_probe import bits_fingerprint
+
 
 
 class ScriptFailure(BaseException):
@@ -43,20 +44,6 @@ class ScriptFailure(BaseException):
     def __init__(self, kind: str, message: str, *, step: int | None = None):
         super().__init__(message)
         self.kind, self.message, self.step = kind, message, step
-
-
-def fingerprint(tensor) -> tuple[int, int]:
-    """An exact fingerprint of a tensor's bits (any changed element changes it)."""
-    import torch
-
-    flat = tensor.detach().reshape(-1)
-    if flat.numel() == 0:
-        return (0, 0)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    bits = flat.view(getattr(torch, _INT_VIEW_BY_SIZE[flat.element_size()])).to(torch.int64)
-    weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
-    return int(bits.sum().item()), int((bits * weights).sum().item())
 
 
 def live_objects() -> list[Any]:
@@ -155,7 +142,7 @@ class _Probe:
                 self.grads[name] = param.grad.detach().to("cpu", copy=True)
 
     def after_step(self, loss: float, loss_objects: list[Any]) -> None:
-        after = {name: fingerprint(p) for name, p in self.params}
+        after = {name: bits_fingerprint(p) for name, p in self.params}
         self.unchanged.append([name for name, _ in self.params if after[name] == self.before.get(name)])
         self.same_object.append(any(obj is old for obj in loss_objects for old in self.loss_objects))
         self.loss_objects.extend(loss_objects)
@@ -301,7 +288,7 @@ class StepController:
             elif op == "probe":
                 self.probe = _Probe(seed=int(command["seed"]), batch_indices=[int(i) for i in command["batch_indices"]],
                                     grads_path=Path(command["grads_path"]), params=tracked_params())
-                self.probe.before = {name: fingerprint(p) for name, p in self.probe.params}
+                self.probe.before = {name: bits_fingerprint(p) for name, p in self.probe.params}
                 return
             elif op == "mark":
                 self.channel.send({"op": "mark", **self._mark()})

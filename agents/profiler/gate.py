@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Literal
 
 from trainbridge.agents.profiler import conduct, quiet
-from trainbridge.agents.profiler.quiet import busy_rounds
 from trainbridge.agents.profiler.drift import MARGIN as DRIFT_MARGIN
 from trainbridge.agents.profiler.drift import GateDrift, timed_drift, widen_for_drift
 from trainbridge.agents.profiler.integrity import Finding, check_config, check_probes, check_timed_deltas, check_timed_losses
@@ -291,7 +290,7 @@ def run_gate(
         cand_rounds.append(cand.run.step_times_s)
         cores.append(base.run.watch.cores_used if base.run.watch is not None else None)
         index += 1
-        state["busy_rounds"] = busy_rounds(cores, max_rounds)
+        state["busy_rounds"] = quiet.busy_rounds(cores, max_rounds)
         kept = index - len(state["busy_rounds"])  # busy rounds are measured again (agents/profiler/quiet.py)
         planned = index + max(0, target - kept)
         if kept == rounds and target == rounds and max_rounds > rounds and wants_more_rounds(decide_speed(*_kept(), min_gain, confidence)):
