@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from trainbridge.sandbox.numerics_probe import bits_fingerprint
+from trainbridge.sandbox.step_server import save_parameter_deltas
 
 
 
@@ -335,24 +336,9 @@ class StepController:
         return {"params": len(self.marked)}
 
     def _final(self, command: dict[str, Any]) -> dict[str, Any]:
-        import torch
-
         if self.marked is None:
             self.close({"kind": "crashed", "message": "final before mark on the control channel"})
-        deltas, unchanged = {}, []
-        for name, p in tracked_params():
-            before = self.marked.get(name)
-            now = p.detach().to("cpu", dtype=torch.float32)
-            if before is None or before.shape != now.shape:
-                continue
-            delta = now - before
-            if not bool(delta.any()):
-                unchanged.append(name)
-            deltas[name] = delta
-        path = Path(command["deltas_path"])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(deltas, path)
-        return {"unchanged_params": unchanged, "deltas_path": str(path), "steps": self.steps_done}
+        return {**save_parameter_deltas(tracked_params(), self.marked, Path(command["deltas_path"])), "steps": self.steps_done}
 
 
 def install_step_hooks(controller: StepController) -> None:

@@ -87,21 +87,26 @@ class StepServer:
         return {"index": index, "loss": value, "inner_s": now - started, "clock": now}
 
     def _do_final(self, command: dict[str, Any]) -> dict[str, Any]:
-        import torch
-
         if self.marked is None:
             raise ProtocolError("final before mark")
-        deltas, unchanged = {}, []
-        for name, p in self._trainable():
-            now = p.detach().to("cpu", dtype=torch.float32)
-            before = self.marked.get(name)
-            if before is None or before.shape != now.shape:
-                continue
-            delta = now - before
-            if not bool(delta.any()):
-                unchanged.append(name)
-            deltas[name] = delta
-        path = Path(command["deltas_path"])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(deltas, path)
-        return {"unchanged_params": unchanged, "deltas_path": str(path), "steps": self.steps_done}
+        return {**save_parameter_deltas(self._trainable(), self.marked, Path(command["deltas_path"])), "steps": self.steps_done}
+
+
+def save_parameter_deltas(named, marked: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Each parameter's change since `marked` (float32 on the CPU), saved with torch.save to `path`,
+    and which parameters did not change at all: the reply to `final` (script mode's too)."""
+    import torch
+
+    deltas, unchanged = {}, []
+    for name, p in named:
+        now = p.detach().to("cpu", dtype=torch.float32)
+        before = marked.get(name)
+        if before is None or before.shape != now.shape:
+            continue
+        delta = now - before
+        if not bool(delta.any()):
+            unchanged.append(name)
+        deltas[name] = delta
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(deltas, path)
+    return {"unchanged_params": unchanged, "deltas_path": str(path)}
