@@ -60,6 +60,8 @@ class ChildSpec:
     timeout_s: float
     stdout_path: Path
     stderr_path: Path
+    fork_pool: Any = None  # a sandbox/fork_server.py ForkPool: fork the child from a warm server (None: exec `argv`)
+    memory_limit_mb: int | None = None  # the cap `preexec_fn` applies, for a forked child
 
 
 @dataclass
@@ -105,7 +107,7 @@ class DrivenChild:
         self.reaper, self.claims_orphans = reaper, claims_orphans
         self.base_nice = os.getpriority(os.PRIO_PROCESS, 0)
         self.siblings: set[int] = set()
-        self.popen: subprocess.Popen | None = None
+        self.popen: subprocess.Popen | Any = None  # or a fork_server.ForkedChild
         self.channel: Channel | None = None
         self.since: int | None = None
         self._files: list[Any] = []
@@ -128,9 +130,12 @@ class DrivenChild:
         stdout, stderr = spec.stdout_path.open("wb"), spec.stderr_path.open("wb")
         self._files = [stdout, stderr]
         try:
-            self.popen = subprocess.Popen([*spec.argv, "--channel", f"{child_r},{child_w}"], cwd=spec.cwd, env=spec.env,
-                                          stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, pass_fds=(child_r, child_w),
-                                          start_new_session=True, preexec_fn=spec.preexec_fn)
+            forked = None if spec.fork_pool is None else spec.fork_pool.fork(
+                cwd=spec.cwd, env=spec.env, channel=(child_r, child_w), memory_limit_mb=spec.memory_limit_mb,
+                fds={"command": child_r, "reply": child_w, "stdout": stdout.fileno(), "stderr": stderr.fileno()})
+            self.popen = forked or subprocess.Popen([*spec.argv, "--channel", f"{child_r},{child_w}"], cwd=spec.cwd, env=spec.env,
+                                                    stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                                                    pass_fds=(child_r, child_w), start_new_session=True, preexec_fn=spec.preexec_fn)
         except OSError as exc:
             for fd in (child_r, child_w, cmd_w, reply_r):
                 os.close(fd)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trainbridge.sandbox import proc_watch, script_run
+from trainbridge.sandbox import fork_server, proc_watch, script_run
 from trainbridge.sandbox.backends import Backend, npu_selection
 from trainbridge.sandbox.command_mode import parse_command_output
 from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory, network_isolation, scrubbed_env
@@ -181,7 +181,8 @@ def _channel_child(workload: Workload, target: Backend, mode: str, plan: StepPla
     # argv is the same for every timed child: what it is asked comes over the channel only
     spec = ChildSpec(argv=[*isolation.prefix, sys.executable, "-m", "trainbridge.sandbox.harness"], request=request, plan=plan,
                      cwd=workload.root, env=env, preexec_fn=limit_memory(memory_limit_mb), timeout_s=config.timeout_s,
-                     stdout_path=tmp_dir / "stdout.txt", stderr_path=tmp_dir / "stderr.txt")
+                     stdout_path=tmp_dir / "stdout.txt", stderr_path=tmp_dir / "stderr.txt",
+                     fork_pool=fork_server.active(), memory_limit_mb=memory_limit_mb)  # inside a gate: forked from a warm server
     return spec, base
 
 

@@ -1,0 +1,240 @@
+"""Fresh gate children without paying for interpreter start and `import torch` each time (parent side).
+
+A fork server is one process, started in the sandbox exactly as a gate child would be (the
+isolation prefix, the scrubbed environment, its own session), that imports torch and the harness
+once and then forks a child per request (sandbox/fork_child.py). Each child is still a fresh
+process: it starts from the server's state after its imports, never from another child's, and
+nothing a child does flows back into the server (the server runs no workload code and reads
+nothing from its children). A forked child is made the gate's own child: the server forks an
+intermediate process that forks the child and exits at once, so the child is handed to the gate,
+which is a subreaper (`proc_watch.become_subreaper`). The gate then waits for it, sees it stopped
+or continued (`waitid`), kills its process group and reads its process tree exactly as for a child
+it started itself.
+
+`serving(kind)` opens a pool of servers for the duration of a gate (one per environment: the
+thread settings are read by OpenMP when torch is imported, so a server serves only children whose
+environment matches its own, the hash seed aside); `active()` is what sandbox/runner.py asks when
+it builds an entry-mode child. `TRAINBRIDGE_GATE_SPAWN=exec` turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from trainbridge.sandbox import proc_watch
+
+SpawnKind = Literal["fork-server", "exec"]
+SPAWN_KINDS: tuple[SpawnKind, ...] = ("fork-server", "exec")
+SPAWN_ENV = "TRAINBRIDGE_GATE_SPAWN"
+SERVER_MODULE = "trainbridge.sandbox.fork_child"
+READY_TIMEOUT_S = 120.0  # a server's imports (torch) on a loaded machine
+REPLY_TIMEOUT_S = 30.0
+_HASH_SEED = "PYTHONHASHSEED"  # fixed at interpreter start: a server's children share its own (both sides of a round alike)
+
+
+class ForkServerError(RuntimeError):
+    """A server could not be started or stopped answering."""
+
+
+def default_spawn(backend: str) -> SpawnKind:
+    """"fork-server" on the CPU, "exec" on accelerators (a device runtime does not survive fork, and
+    none is attached here to prove the server safe with one). TRAINBRIDGE_GATE_SPAWN overrides."""
+    chosen = os.environ.get(SPAWN_ENV)
+    if chosen:
+        if chosen not in SPAWN_KINDS:
+            raise ValueError(f"{SPAWN_ENV}={chosen!r}: choose one of {', '.join(SPAWN_KINDS)}")
+        return chosen  # type: ignore[return-value]
+    return "fork-server" if backend == "cpu" and sys.platform.startswith("linux") else "exec"
+
+
+class ForkedChild:
+    """The `subprocess.Popen` surface the drivers use, for a child the gate did not start itself
+    (it was handed over by the server's intermediate process, so the gate can wait for it)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -9  # reaped elsewhere: its status is lost
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+
+@dataclass
+class ForkServer:
+    """One started server: its process and the socket it takes requests on."""
+
+    process: subprocess.Popen
+    sock: socket.socket
+    log_path: Path
+    private_shm: bool = False  # its children get their own empty /dev/shm
+    children: int = 0
+
+    @classmethod
+    def start(cls, prefix: tuple[str, ...], env: dict[str, str], scratch: Path) -> "ForkServer":
+        """Start a server under `prefix` (network isolation) with `env`, in `scratch` (never a
+        workload's folder: its sys.path[0] is replaced in each child); wait until it has imported."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        log_path = scratch / f"fork-server-{len(list(scratch.glob('fork-server-*')))}.log"
+        with log_path.open("wb") as log:
+            try:
+                process = subprocess.Popen([*prefix, sys.executable, "-m", SERVER_MODULE, "--socket", str(theirs.fileno())],
+                                           cwd=scratch, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                           pass_fds=(theirs.fileno(),), start_new_session=True)
+            except OSError as exc:
+                ours.close()
+                theirs.close()
+                raise ForkServerError(f"could not start the fork server: {exc}") from exc
+        theirs.close()
+        server = cls(process=process, sock=ours, log_path=log_path)
+        reply = server._reply(READY_TIMEOUT_S)
+        if reply.get("op") != "ready":
+            server.close()
+            raise ForkServerError(f"the fork server did not get ready: {reply}")
+        server.private_shm = bool(reply.get("private_shm"))
+        return server
+
+    def fork(self, *, cwd: Path, env: dict[str, str], fds: dict[str, int], channel: tuple[int, int],
+             memory_limit_mb: int | None) -> ForkedChild:
+        """A fresh child running the harness on `channel` (its two descriptor numbers); `fds`: the
+        parent's descriptors for "command", "reply", "stdout", "stderr"."""
+        names = ("command", "reply", "stdout", "stderr")
+        request = {"op": "fork", "cwd": str(cwd), "env": env, "channel": list(channel), "memory_limit_mb": memory_limit_mb}
+        try:
+            socket.send_fds(self.sock, [json.dumps(request).encode()], [fds[n] for n in names])
+        except OSError as exc:
+            raise ForkServerError(f"the fork server is gone ({exc})") from exc
+        reply = self._reply(REPLY_TIMEOUT_S)
+        if reply.get("op") != "forked" or not isinstance(reply.get("pid"), int):
+            raise ForkServerError(f"the fork server did not fork: {reply}")
+        pid = reply["pid"]
+        stat = proc_watch.read_stat(pid)
+        if stat is None or stat.ppid != os.getpid():
+            # not handed to the gate (it is not a subreaper, or the child already died): it cannot be watched
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, 9)
+            raise ForkServerError(f"the forked child {pid} was not handed to this process (parent "
+                                  f"{stat.ppid if stat else 'gone'})")
+        self.children += 1
+        return ForkedChild(pid)
+
+    def _reply(self, timeout_s: float) -> dict:
+        self.sock.settimeout(timeout_s)
+        try:
+            data = self.sock.recv(1 << 16)
+        except (OSError, TimeoutError) as exc:
+            raise ForkServerError(f"no answer from the fork server ({exc}); its log: {self._log_tail()}") from exc
+        if not data:
+            raise ForkServerError(f"the fork server exited; its log: {self._log_tail()}")
+        return json.loads(data)
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")[-1500:] or "(empty)"
+        except OSError:
+            return "(unreadable)"
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()  # the server exits when its socket closes
+        try:
+            self.process.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, 9)
+            self.process.wait()
+
+
+@dataclass
+class ForkPool:
+    """The servers of one gate, by environment (the hash seed aside), and what became of each request."""
+
+    prefix: tuple[str, ...]
+    scratch: Path
+    servers: dict[tuple, ForkServer] = field(default_factory=dict)
+    forked: int = 0
+    fallbacks: list[str] = field(default_factory=list)  # why a child was exec'd instead
+
+    def fork(self, *, cwd: Path, env: dict[str, str], fds: dict[str, int], channel: tuple[int, int],
+             memory_limit_mb: int | None) -> ForkedChild | None:
+        """A forked child, or None (the reason kept in `fallbacks`): the caller then starts it by exec."""
+        key = tuple(sorted((k, v) for k, v in env.items() if k != _HASH_SEED))
+        try:
+            server = self.servers.get(key)
+            if server is None or server.process.poll() is not None:
+                server = self.servers[key] = ForkServer.start(self.prefix, env, self.scratch)
+            child = server.fork(cwd=cwd, env=env, fds=fds, channel=channel, memory_limit_mb=memory_limit_mb)
+        except ForkServerError as exc:
+            self.fallbacks.append(str(exc)[:500])
+            dead = self.servers.pop(key, None)
+            if dead is not None:
+                dead.close()
+            return None
+        self.forked += 1
+        return child
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            server.close()
+        self.servers.clear()
+
+    def describe(self) -> str:
+        """The verdict's `spawn` field: how this gate's children were started."""
+        if not self.fallbacks:
+            return "fork-server"
+        return f"fork-server ({len(self.fallbacks)} child(ren) exec'd instead: {self.fallbacks[0][:200]})"
+
+
+_ACTIVE: list[ForkPool] = []  # the innermost `serving` pool; empty outside a gate
+
+
+def active() -> ForkPool | None:
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+@contextlib.contextmanager
+def serving(kind: SpawnKind, *, prefix: tuple[str, ...] = (), work_dir: Path | None = None) -> Iterator[ForkPool | None]:
+    """Entry-mode children started inside this block are forked from a server (kind "fork-server")
+    or exec'd as before ("exec": yields None). The servers are stopped when the block ends."""
+    if kind not in SPAWN_KINDS:
+        raise ValueError(f"spawn kind {kind!r}: choose one of {', '.join(SPAWN_KINDS)}")
+    if kind == "exec":
+        yield None
+        return
+    from trainbridge.sandbox.scratch import scratch_dir
+
+    proc_watch.become_subreaper()  # forked children are handed to this process; without it they are exec'd
+    with scratch_dir("trainbridge-run-forkserver-", work_dir) as scratch:
+        pool = ForkPool(prefix=tuple(prefix), scratch=scratch)
+        _ACTIVE.append(pool)
+        try:
+            yield pool
+        finally:
+            _ACTIVE.remove(pool)
+            pool.close()
