@@ -24,10 +24,15 @@
    numerics are the verdict's numerics; with
    ``emulated_speed`` (NPU emulation on a host without an NPU) the gate stops after it:
    ``speed_unmeasured_numerics_ok``.
-4. **Decision** on the per-round medians of the parent-timed measured steps (`stats.gate_decision`):
-   ``rounds`` rounds, up to ``max_rounds`` when the first look is inconclusive but shows a gain or
-   loss of at least ``min_gain``. A round in which the baseline got far fewer cores than on a quiet
-   round is left out and measured again (`quiet`), up to half the planned rounds.
+4. **Decision** on the per-round medians of the parent-timed measured steps, by the sequential
+   rule (`sequential.SequentialGate`): a look at 6, 8, 10, ... rounds up to ``max_rounds``, each at
+   one level chosen so that the whole schedule keeps the false-accept rate, stopping at the first
+   look that decides either way or shows the rest cannot (futility). A round in which the baseline
+   got far fewer cores than on a quiet round is left out and measured again (`quiet`).
+5. **Children** start from a fork server that imported torch and the harness once (entry mode, on
+   the CPU: sandbox/fork_server.py), each still a fresh process per side and round; ``spawn``
+   "exec" (or TRAINBRIDGE_GATE_SPAWN=exec) starts a new interpreter for each, as before. The verdict
+   records which.
 
 A failure of the *baseline* is not the candidate's fault: it raises `GateError`.
 """
@@ -48,8 +53,11 @@ from trainbridge.agents.profiler.drift import GateDrift, timed_drift, widen_for_
 from trainbridge.agents.profiler.integrity import Finding, check_config, check_probes, check_timed_deltas, check_timed_losses
 from trainbridge.agents.profiler.numerics import NumericsResult, NumericsTolerance, compare_numerics, load_grads
 from trainbridge.agents.profiler.probe_report import ProbeReport, ProbeReportError
-from trainbridge.agents.profiler.stats import SpeedOutcome, decide_speed, gate_decision, wants_more_rounds
+from trainbridge.agents.profiler.sequential import SequentialGate, looks
+from trainbridge.agents.profiler.stats import SpeedOutcome
 from trainbridge.agents.profiler.verdict import FAILURE_REASONS, Verdict, VerdictReason
+from trainbridge.sandbox import fork_server
+from trainbridge.sandbox.fork_server import SpawnKind
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
 from trainbridge.sandbox.runner import run_workload, run_workload_pair
 from trainbridge.sandbox.scratch import scratch_dir
@@ -182,9 +190,30 @@ def run_gate(
     on_progress: GateProgress | None = None,
     work_dir: Path | None = None,
     pairing: Pairing | None = None,
+    spawn: SpawnKind | None = None,
 ) -> Verdict:
     """Judge `candidate` against `baseline` (see the module doc). `rng` only for reproducible tests:
-    by default seeds and batch indices come from the operating system's entropy."""
+    by default seeds and batch indices come from the operating system's entropy. `spawn`: how the
+    gate's entry-mode children start ("fork-server": forked from a server that imported torch and the
+    harness once, sandbox/fork_server.py; "exec": a new interpreter each; default
+    `fork_server.default_spawn`, TRAINBRIDGE_GATE_SPAWN overrides); the verdict records it."""
+    try:
+        kind = spawn or fork_server.default_spawn(backend)
+    except ValueError as exc:
+        raise GateError(str(exc)) from exc
+    with fork_server.serving(kind, work_dir=work_dir) as pool:
+        verdict = _run_gate(baseline, candidate, backend=backend, rounds=rounds, max_rounds=max_rounds, steps_per_round=steps_per_round,
+                            min_gain=min_gain, tolerance=tolerance, emulated_speed=emulated_speed, confidence=confidence,
+                            numerics_steps=numerics_steps, batch_index_range=batch_index_range, rng=rng, extra_env=extra_env,
+                            on_progress=on_progress, work_dir=work_dir, pairing=pairing)
+        return verdict.model_copy(update={"spawn": pool.describe() if pool is not None else "exec"})
+
+
+def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: int, max_rounds: int | None,
+              steps_per_round: int | None, min_gain: float, tolerance: NumericsTolerance | None, emulated_speed: bool,
+              confidence: float, numerics_steps: int, batch_index_range: int, rng: random.Random | None,
+              extra_env: dict[str, str] | None, on_progress: GateProgress | None, work_dir: Path | None,
+              pairing: Pairing | None) -> Verdict:
     max_rounds = rounds if max_rounds is None else max_rounds
     if rounds < 1 or max_rounds < rounds or numerics_steps < 1 or batch_index_range < numerics_steps:
         raise GateError(f"need rounds >= 1 (got {rounds}), max_rounds >= rounds (got {max_rounds}), numerics_steps >= 1 (got {numerics_steps}) and "
@@ -231,14 +260,10 @@ def run_gate(
     candidate = Workload(root=candidate.root, config=baseline.config)
     workloads = {"baseline": baseline, "candidate": candidate}
 
-    cores: list[float | None] = []  # the baseline's cores over its timed steps, per round
-
-    def _kept() -> tuple[list[list[float]], list[list[float]]]:
-        busy = set(state.get("busy_rounds", []))
-        return ([r for i, r in enumerate(base_rounds) if i not in busy], [r for i, r in enumerate(cand_rounds) if i not in busy])
+    seq = SequentialGate(looks(rounds, max_rounds), min_gain=min_gain, confidence=confidence)
 
     progress("numerics", 0, 2)
-    planned, target, index = rounds, rounds, 0
+    planned, index = seq.schedule[0], 0
     while index < planned:
         inputs = round_inputs[index]
         order = ("baseline", "candidate") if index % 2 == 0 else ("candidate", "baseline")
@@ -288,21 +313,18 @@ def run_gate(
         orders.append("AB" if order[0] == "baseline" else "BA")
         base_rounds.append(base.run.step_times_s)
         cand_rounds.append(cand.run.step_times_s)
-        cores.append(base.run.watch.cores_used if base.run.watch is not None else None)
         index += 1
-        state["busy_rounds"] = quiet.busy_rounds(cores, max_rounds)
-        kept = index - len(state["busy_rounds"])  # busy rounds are measured again (agents/profiler/quiet.py)
-        planned = index + max(0, target - kept)
-        if kept == rounds and target == rounds and max_rounds > rounds and wants_more_rounds(decide_speed(*_kept(), min_gain, confidence)):
-            target = max_rounds  # inconclusive, but a gain or loss of min_gain shows: the second look (stats.gate_decision)
-            planned = index + (target - kept)
+        speed = seq.add_round(base.run.step_times_s, cand.run.step_times_s,
+                              base.run.watch.cores_used if base.run.watch is not None else None)
+        state["busy_rounds"] = seq.busy  # left out and measured again (agents/profiler/quiet.py)
+        planned = index + seq.rounds_to_next_look()  # the sequential rule's next look (agents/profiler/sequential.py)
         progress("timing", index, planned)
         if index < planned:
             round_inputs.append(draw())
 
-    speed = gate_decision(*_kept(), first=rounds, min_gain=min_gain, confidence=confidence)
+    assert speed is not None  # the loop ends only when the sequential rule has stopped
     reason = _SPEED_REASONS[speed.outcome]
-    busy_note = quiet.describe(cores, state["busy_rounds"], max_rounds)
+    busy_note = quiet.describe(seq.baseline_cores, state["busy_rounds"], max_rounds)
     return verdict(reason, f"{speed.message}{busy_note}; {state['numerics'].message}", "done", speed=speed, ratio=speed.ratio,
                    ratio_ci=(speed.ci_low, speed.ci_high))
 

@@ -66,6 +66,11 @@ class SpeedDecision(BaseModel):
     p_slower: float = Field(description="one-sided exact Wilcoxon signed-rank p-value for 'candidate slower'")
     round_ratios: list[float]
     message: str
+    # the sequential rule's record (agents/profiler/sequential.py), None for a single decision
+    look_rounds: list[int] | None = Field(default=None, description="rounds at each look taken, the last one decided")
+    schedule: list[int] | None = Field(default=None, description="rounds at which the gate would have looked")
+    nominal_level: float | None = Field(default=None, description="one-sided level used at every look")
+    stopped: str | None = Field(default=None, description="decided, futility, or last look")
 
     @property
     def gain(self) -> float:
@@ -151,6 +156,19 @@ def _doubled_average_ranks(magnitudes: list[float]) -> list[int]:
             ranks[order[k]] = doubled
         i = j + 1
     return ranks
+
+
+@lru_cache(maxsize=64)
+def signed_rank_tail_tables(n: int) -> tuple[list[float], list[float]]:
+    """(P(W+ <= w), P(W+ >= w)) for w = 0 .. n(n+1)/2 under the null, ranks 1..n without ties."""
+    counts = [c for c in _signed_rank_null(tuple(range(2, 2 * n + 1, 2)))[::2]]  # doubled ranks: every other entry
+    total = float(2**n)
+    le, running = [], 0
+    for c in counts:
+        running += c
+        le.append(running / total)
+    ge = [1.0 - (le[w - 1] if w > 0 else 0.0) for w in range(len(counts))]
+    return le, ge
 
 
 @lru_cache(maxsize=256)

@@ -60,6 +60,8 @@ class Verdict(BaseModel):
                                    "machine was busy (agents/profiler/quiet.py)")
     pairing: Literal["paired", "sequential"] | None = Field(default=None, description="paired: both sides of a round alive at once, "
                                                              "their steps alternated; sequential: one child after the other")
+    spawn: str | None = Field(default=None, description="how the gate's children started: fork-server (forked from a warm server, "
+                              "sandbox/fork_server.py) or exec (a new interpreter each)")
     ratio: float | None = Field(default=None, description="candidate/baseline step time; < 1 is faster")
     ratio_ci: tuple[float, float] | None = None
     speed: SpeedDecision | None = None
