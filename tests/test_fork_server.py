@@ -1,0 +1,227 @@
+"""The gate's fork server (sandbox/fork_server.py, sandbox/fork_child.py): children forked from a warm
+server see what an exec'd child sees (environment, working directory, sys.path, thread settings,
+descriptors, session, memory cap), are the gate's own children, and stay fresh: state one child
+plants (a module global, torch's default dtype, a global hook, the seed, the thread count, the
+environment, a file in /dev/shm) never reaches another."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from trainbridge.agents.profiler.gate import GateError, run_gate
+from trainbridge.sandbox import fork_server
+from trainbridge.sandbox.runner import run_workload, run_workload_pair
+from trainbridge.sandbox.step_driver import StepPlan
+from trainbridge.sandbox.workload import load_workload
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the fork server needs Linux")
+
+TOML = 'entry = "step:build"\nwarmup_steps = 1\nsteps = 2\nthreads = 2\ntimeout_s = 120\n'
+TINY = '''
+import torch
+
+
+def _parts(seed, step_hook=None):
+    generator = torch.Generator().manual_seed(seed)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    inputs = torch.randn(32, 8, generator=generator)
+
+    def batch(step):
+        return inputs[(step * 8) % 24:(step * 8) % 24 + 8]
+
+    def loss_fn(model, x):
+        return (model(x) ** 2).mean()
+
+    def train_step(model, optimizer, x):
+        if step_hook is not None:
+            step_hook()
+        optimizer.zero_grad()
+        loss = loss_fn(model, x)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return {"model": model, "optimizer": optimizer, "batch": batch, "loss_fn": loss_fn, "train_step": train_step}
+'''
+OBSERVER = TINY + '''
+import os, sys, resource, json
+
+OUT = __OUT__
+TOKEN = __TOKEN__
+
+
+def observe(seed):
+    seen = {
+        "env": dict(os.environ), "cwd": os.getcwd(), "sys_path": sys.path, "argv": sys.argv,
+        "threads": torch.get_num_threads(), "pid": os.getpid(), "pgid": os.getpgid(0), "sid": os.getsid(0),
+        "rlimit_as": resource.getrlimit(resource.RLIMIT_AS)[0], "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+        "stdin": os.readlink("/proc/self/fd/0"),
+    }
+    leaks = []
+    if hasattr(torch, "_trainbridge_leak"):
+        leaks.append("a module global in torch")
+    if torch.get_default_dtype() != torch.float32:
+        leaks.append(f"default dtype {torch.get_default_dtype()}")
+    if torch.nn.modules.module._global_forward_hooks:
+        leaks.append("a global forward hook")
+    if torch.initial_seed() != seed:
+        leaks.append(f"the seed {torch.initial_seed()} (the gate's: {seed})")
+    if torch.get_num_threads() != int(os.environ["OMP_NUM_THREADS"]):
+        leaks.append(f"{torch.get_num_threads()} threads")
+    if "TRAINBRIDGE_LEAK" in os.environ:
+        leaks.append("an environment variable")
+    if os.path.exists(f"/dev/shm/trainbridge-leak-{TOKEN}"):
+        leaks.append("a file in /dev/shm")
+    if "tb_leaker_module" in sys.modules:
+        leaks.append("the other workload's module")
+    seen["leaks"] = leaks
+    return seen
+
+
+def build(device, seed):
+    with open(OUT, "w") as handle:
+        json.dump(observe(seed), handle)
+
+    def check():
+        leaks = observe(seed)["leaks"]
+        if leaks:
+            raise RuntimeError("leak seen: " + "; ".join(leaks))
+
+    check()
+    return _parts(seed, step_hook=check)
+'''
+LEAKER = TINY + '''
+import os, sys
+
+TOKEN = __TOKEN__
+sys.modules["tb_leaker_module"] = sys.modules[__name__]
+
+
+def plant():
+    torch._trainbridge_leak = True
+    torch.set_default_dtype(torch.float64)
+    torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    torch.manual_seed(1234)
+    torch.set_num_threads(1)
+    os.environ["TRAINBRIDGE_LEAK"] = "1"
+    with open(f"/dev/shm/trainbridge-leak-{TOKEN}", "w") as handle:
+        handle.write("left here")
+
+
+def build(device, seed):
+    parts = _parts(seed)
+    plant()
+    torch.set_default_dtype(torch.float32)  # its own parts still in float32; the rest stays planted
+    return parts
+'''
+
+
+def _fill(template: str, *, token: str, out: Path | None = None) -> str:
+    return template.replace("__TOKEN__", repr(token)).replace("__OUT__", repr(str(out)))
+
+
+def _workload(root: Path, source: str) -> Path:
+    root.mkdir(parents=True)
+    (root / "trainbridge.toml").write_text(TOML, encoding="utf-8")
+    (root / "step.py").write_text(textwrap.dedent(source), encoding="utf-8")
+    return root
+
+
+@pytest.fixture
+def token():
+    value = uuid.uuid4().hex
+    yield value
+    Path(f"/dev/shm/trainbridge-leak-{value}").unlink(missing_ok=True)
+
+
+def test_a_forked_child_sees_what_an_exec_child_sees(tmp_path, token):
+    seen = {}
+    for kind in ("exec", "fork-server"):
+        out = tmp_path / f"{kind}.json"
+        root = _workload(tmp_path / kind / "repo", _fill(OBSERVER, out=out, token=token))
+        with fork_server.serving(kind) as pool:
+            result = run_workload(load_workload(root), mode="measure")
+            assert result.failure is None, result.failure
+            assert len(result.step_times_s) == 2 and result.timing_source == "parent"
+            if pool is not None:
+                assert pool.forked == 1 and not pool.fallbacks  # it really was forked
+        seen[kind] = json.loads(out.read_text())
+        seen[kind]["root"] = str(root)
+    exec_, forked = seen["exec"], seen["fork-server"]
+    assert forked["env"] == exec_["env"]  # the workload's scrubbed environment, as a whole
+    assert forked["env"]["OMP_NUM_THREADS"] == "2" and forked["threads"] == exec_["threads"] == 2
+    for record in (exec_, forked):
+        assert record["cwd"] == record["root"] and record["sys_path"][0] == record["root"]
+        assert record["pgid"] == record["pid"] == record["sid"]  # its own session and process group
+        assert record["stdin"] == "/dev/null"
+        assert record["leaks"] == []
+    # the rest of sys.path (the interpreter's, the venv's) is the same; the server's folder is nowhere
+    assert forked["sys_path"][1:] == exec_["sys_path"][1:]
+    assert forked["rlimit_as"] == exec_["rlimit_as"] > 0
+    assert forked["argv"][1:] == exec_["argv"][1:] and Path(forked["argv"][0]).name == "harness.py"
+    # the channel at the same fixed numbers, and no other descriptor (the server's socket is closed)
+    assert [fd for fd in forked["fds"] if fd > 2] == [fd for fd in exec_["fds"] if fd > 2]
+
+
+def test_a_leak_planted_by_one_arm_never_reaches_the_other(tmp_path, token):
+    out = tmp_path / "observed.json"
+    observer = load_workload(_workload(tmp_path / "observer", _fill(OBSERVER, out=out, token=token)))
+    leaker = load_workload(_workload(tmp_path / "leaker", _fill(LEAKER, token=token)))
+    plans = (StepPlan.sequential(1, 2), StepPlan.sequential(1, 2))
+    with fork_server.serving("fork-server") as pool:
+        # both arms alive at once (the gate's paired round), the leaker first; then one after the other
+        led, observed = run_workload_pair((leaker, observer), plans)
+        assert led.failure is None and observed.failure is None, observed.failure
+        assert run_workload(leaker, mode="measure").failure is None
+        after = run_workload(observer, mode="measure")
+        assert after.failure is None, after.failure
+        assert pool.forked == 4 and not pool.fallbacks
+        private_shm = all(server.private_shm for server in pool.servers.values())
+    assert json.loads(out.read_text())["leaks"] == []
+    if private_shm:  # each child had its own /dev/shm: the leaker's file never reached the host's either
+        assert not Path(f"/dev/shm/trainbridge-leak-{token}").exists()
+
+
+def test_the_observer_does_see_a_leak_in_its_own_process(tmp_path, token):
+    """The control: the same checks fire when the leak is in the observer's own process."""
+    out = tmp_path / "observed.json"
+    root = _workload(tmp_path / "both", _fill(OBSERVER, out=out, token=token))
+    (root / "leaker.py").write_text(textwrap.dedent(_fill(LEAKER, token=token)), encoding="utf-8")
+    step = root / "step.py"
+    step.write_text(step.read_text() + "\n\n_build = build\n\ndef build(device, seed):\n    import leaker\n    leaker.plant()\n"
+                    "    torch.set_default_dtype(torch.float64)\n    return _build(device, seed)\n", encoding="utf-8")
+    with fork_server.serving("fork-server"):
+        result = run_workload(load_workload(root), mode="measure")
+    assert result.failure is not None and "leak seen" in result.failure.message
+    for kind in ("a module global in torch", "default dtype", "a global forward hook", "the seed", "1 threads",
+                 "an environment variable", "a file in /dev/shm", "the other workload's module"):
+        assert kind in result.failure.message
+
+
+def test_the_parent_still_kills_a_forked_child_on_timeout(tmp_path):
+    root = _workload(tmp_path / "hang", TINY + "\nimport time\n\ndef build(device, seed):\n    time.sleep(600)\n")
+    (root / "trainbridge.toml").write_text(TOML.replace("timeout_s = 120", "timeout_s = 3"), encoding="utf-8")
+    with fork_server.serving("fork-server") as pool:
+        result = run_workload(load_workload(root), mode="measure")
+        assert pool.forked == 1
+    assert result.failure is not None and result.failure.kind == "timeout"
+
+
+def test_spawn_kind_is_chosen_by_the_environment(monkeypatch):
+    monkeypatch.delenv(fork_server.SPAWN_ENV, raising=False)
+    assert fork_server.default_spawn("cpu") == "fork-server" and fork_server.default_spawn("npu") == "exec"
+    monkeypatch.setenv(fork_server.SPAWN_ENV, "exec")
+    assert fork_server.default_spawn("cpu") == "exec"
+    monkeypatch.setenv(fork_server.SPAWN_ENV, "vfork")
+    with pytest.raises(GateError, match="TRAINBRIDGE_GATE_SPAWN"):
+        run_gate(load_workload(Path(__file__).parent / "fixtures" / "workloads" / "tiny"),
+                 load_workload(Path(__file__).parent / "fixtures" / "workloads" / "tiny"))
+    with fork_server.serving("exec") as pool:
+        assert pool is None and fork_server.active() is None
