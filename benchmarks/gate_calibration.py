@@ -18,7 +18,8 @@ the gate's default pairing on the CPU ("paired"), a round pairs the baseline wit
 in turn (baseline again, +2%, +5%, +10%: two children alive at once, their steps alternated, the
 baseline leading on even rounds as the gate's does); under "sequential", every program runs once,
 in an order rotated from round to round. Consecutive blocks of ``--rounds`` rounds form independent
-gate runs; each is decided by `stats.gate_decision` exactly as `run_gate` decides. Rates over sliding windows of rounds are reported too (more decisions, but overlapping, so not
+gate runs; each is decided by the sequential rule exactly as `run_gate` decides (`sequential.replay`
+feeds the recorded rounds to the gate's own `SequentialGate`). Rates over sliding windows of rounds are reported too (more decisions, but overlapping, so not
 independent), and one decision over all rounds pooled (what a gate of that many rounds would
 say). Prints markdown tables, writes JSON (raw samples included) to
 benchmarks/results/gate_calibration.json after every round, so a killed run keeps its data;
@@ -42,7 +43,10 @@ from pathlib import Path
 
 from trainbridge.agents.profiler.gate import PAIRINGS, RoundInputs, default_pairing, run_pair, run_side
 from trainbridge.agents.profiler.quiet import busy_rounds
-from trainbridge.agents.profiler.stats import SpeedOutcome, decide_speed, gate_decision
+from trainbridge.agents.profiler.sequential import FUTILITY_POWER, looks, nominal_level, replay
+from trainbridge.agents.profiler.stats import SpeedOutcome, decide_speed
+from trainbridge.sandbox import fork_server
+from trainbridge.sandbox.fork_server import SPAWN_KINDS, default_spawn
 from trainbridge.sandbox.workload import Workload, load_workload
 
 HERE = Path(__file__).resolve().parent
@@ -168,27 +172,68 @@ def conditions(slowdowns: list[float]) -> list[tuple[str, str, str, float]]:
     return out
 
 
+def decide_window(window: list[tuple[list[float], list[float], float | None]], args) -> dict:
+    """One gate run over recorded rounds, decided exactly as `run_gate` decides: the sequential rule
+    (`sequential.replay`: a look at 6, 8, ... kept rounds, busy rounds left out, stopping at the
+    first look that decides or shows futility)."""
+    gate = replay([b for b, _, _ in window], [c for _, c, _ in window], [k for _, _, k in window], rounds=args.rounds,
+                  max_rounds=args.max_rounds, min_gain=args.min_gain, confidence=args.confidence)
+    d = gate.decision
+    if d is None:  # the rounds ran out before the rule stopped (busy rounds): decided over what there is
+        d = decide_speed(*gate.kept(), args.min_gain, args.confidence)
+    return {"outcome": d.outcome.value, "ratio": d.ratio, "ci": [d.ci_low, d.ci_high], "rounds_used": len(gate.baseline_rounds),
+            "looks": len(gate.looks_taken), "stopped": gate.stopped or "rounds ran out", "busy_rounds": gate.busy}
+
+
 def decide_blocks(rounds: list[dict], block: int, args, slowdowns: list[float], sliding: bool,
-                  first: int | None = None) -> dict[str, list[dict]]:
-    """Decide every block of `block` rounds per condition. With `first`, exactly as `run_gate` does:
-    a look after `first` rounds and, only when that look wants more rounds, a second over the block."""
+                  sequential: bool = True) -> dict[str, list[dict]]:
+    """Decide every block of `block` rounds per condition: as `run_gate` does (`sequential`), or as
+    one decision over the whole block (the pooled figure)."""
     starts = range(0, len(rounds) - block + 1) if sliding else range(0, len(rounds) - block + 1, block)
     decisions: dict[str, list[dict]] = {}
     for label, base, cand, truth in conditions(slowdowns):
         for start in starts:
             window = [round_sides(r, base, cand) for r in rounds[start:start + block]]
-            # busy rounds left out as the gate leaves them out (it measures replacements; here the window is shorter)
-            busy = set(busy_rounds([cores for _, _, cores in window], block))
-            base_rounds = [b for i, (b, _, _) in enumerate(window) if i not in busy]
-            cand_rounds = [c for i, (_, c, _) in enumerate(window) if i not in busy]
-            if first is None:
-                d = decide_speed(base_rounds, cand_rounds, args.min_gain, args.confidence, seed=start)
+            if sequential:
+                item = decide_window(window, args)
             else:
-                d = gate_decision(base_rounds, cand_rounds, first=first, min_gain=args.min_gain, confidence=args.confidence)
-            decisions.setdefault(label, []).append({
-                "start": start, "outcome": d.outcome.value, "ratio": d.ratio, "ci": [d.ci_low, d.ci_high], "truth": truth,
-                "rounds_used": d.n, "second_look": first is not None and d.n > first, "busy_rounds": sorted(busy),
-            })
+                busy = set(busy_rounds([cores for _, _, cores in window], block))
+                d = decide_speed([b for i, (b, _, _) in enumerate(window) if i not in busy],
+                                 [c for i, (_, c, _) in enumerate(window) if i not in busy], args.min_gain, args.confidence, seed=start)
+                item = {"outcome": d.outcome.value, "ratio": d.ratio, "ci": [d.ci_low, d.ci_high], "rounds_used": len(window),
+                        "busy_rounds": sorted(busy)}
+            decisions.setdefault(label, []).append({"start": start, "truth": truth, **item})
+    return decisions
+
+
+def decide_consecutive(rounds: list[dict], args, slowdowns: list[float]) -> dict[str, list[dict]]:
+    """Independent gate runs as a live sequence of gates would make them: each starts where the last
+    one stopped (a gate that stops early leaves its rounds to the next); a last gate the recorded
+    rounds cannot finish is left out."""
+    decisions: dict[str, list[dict]] = {}
+    for label, base, cand, truth in conditions(slowdowns):
+        start = 0
+        while start < len(rounds):
+            window = [round_sides(r, base, cand) for r in rounds[start:start + args.max_rounds]]
+            item = decide_window(window, args)
+            if item["stopped"] == "rounds ran out":
+                break
+            decisions.setdefault(label, []).append({"start": start, "truth": truth, **item})
+            start += item["rounds_used"]
+    return decisions
+
+
+def decide_resampled(rounds: list[dict], args, slowdowns: list[float], gates: int, seed: int = 0) -> dict[str, list[dict]]:
+    """`gates` simulated gate runs per condition, each on `max_rounds` rounds drawn with replacement
+    from the recorded ones (a round is the unit: both sides of a pair stay together), decided as
+    `run_gate` decides. More decisions than the windows, for the rates and the mean rounds used;
+    not independent measurements (they reuse the recorded rounds)."""
+    decisions: dict[str, list[dict]] = {}
+    for label, base, cand, truth in conditions(slowdowns):
+        rng = random.Random(seed)
+        for g in range(gates):
+            window = [round_sides(rounds[rng.randrange(len(rounds))], base, cand) for _ in range(args.max_rounds)]
+            decisions.setdefault(label, []).append({"start": g, "truth": truth, **decide_window(window, args)})
     return decisions
 
 
@@ -206,19 +251,21 @@ def summarise(decisions: dict[str, list[dict]]) -> list[dict]:
             "not_significant": count["not_significant"] / n if n else None,
             "median_ratio": statistics.median(i["ratio"] for i in items) if n else None,
             "median_ci_halfwidth": statistics.median((i["ci"][1] - i["ci"][0]) / 2 for i in items) if n else None,
-            "second_looks": sum(bool(i.get("second_look")) for i in items) / n if n else None,
+            "mean_rounds": statistics.fmean(i["rounds_used"] for i in items) if n else None,
+            "stopped_for_futility": sum(i.get("stopped") == "futility" for i in items) / n if n else None,
         })
     return rows
 
 
 def table(rows: list[dict], title: str) -> str:
-    lines = [f"### {title}", "", "| condition | true ratio | gate runs | accepted | slower | not significant | second look | median ratio | median CI half-width |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"### {title}", "", "| condition | true ratio | gate runs | accepted | slower | not significant | mean rounds used | futility stops | median ratio | median CI half-width |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["gate_runs"]:
             continue
         lines.append(f"| {r['condition']} | {r['true_ratio']:.3f} | {r['gate_runs']} | {100 * r['accepted']:.0f}% | "
-                     f"{100 * r['slower']:.0f}% | {100 * r['not_significant']:.0f}% | {100 * (r.get('second_looks') or 0):.0f}% | "
+                     f"{100 * r['slower']:.0f}% | {100 * r['not_significant']:.0f}% | {r['mean_rounds']:.1f} | "
+                     f"{100 * (r.get('stopped_for_futility') or 0):.0f}% | "
                      f"{r['median_ratio']:.3f} | "
                      f"±{100 * r['median_ci_halfwidth']:.1f}% |")
     return "\n".join(lines)
@@ -228,11 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     parser.add_argument("--gates", type=int, default=8, help="independent gate runs per condition")
-    parser.add_argument("--rounds", type=int, default=10, help="paired rounds of a gate run's first look")
+    parser.add_argument("--rounds", type=int, default=10, help="as run_gate's rounds: the looks start at 6 (or at this, when fewer)")
     parser.add_argument("--max-rounds", type=int, default=None,
-                        help="rounds of the second look, taken when the first is inconclusive but its estimate is off 1 "
-                             "by the minimum gain or more "
-                             "(default: twice --rounds, as `trainbridge run`); each independent gate run measures this many")
+                        help="the sequential rule's last look (default: twice --rounds, as `trainbridge run`); the "
+                             "measurement takes --gates x this many rounds")
     parser.add_argument("--steps-per-round", type=int, default=20)
     parser.add_argument("--slowdowns", type=float, nargs="+", default=[0.02, 0.05, 0.10])
     parser.add_argument("--min-gain", type=float, default=0.01)
@@ -242,8 +288,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="how a round's sides run, as the gate does (default: the gate's default for --backend)")
     parser.add_argument("--out", type=Path, default=RESULTS / "gate_calibration.json")
     parser.add_argument("--from-json", type=Path, default=None, help="re-decide the samples saved in this JSON; no measuring")
+    parser.add_argument("--resampled", type=int, default=400, help="simulated gate runs on recorded rounds drawn with replacement")
+    parser.add_argument("--spawn", choices=SPAWN_KINDS, default=None,
+                        help="how the children start, as the gate does (default: the gate's default for --backend)")
     args = parser.parse_args(argv)
     args.pairing = args.pairing or default_pairing(args.backend)
+    args.spawn = args.spawn or default_spawn(args.backend)
     args.max_rounds = args.max_rounds or 2 * args.rounds
     if args.max_rounds < args.rounds:
         parser.error(f"--max-rounds ({args.max_rounds}) must be at least --rounds ({args.rounds})")
@@ -272,7 +322,7 @@ def measure(args) -> dict:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="tb-gate-calibration-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tb-gate-calibration-") as tmp, fork_server.serving(args.spawn):
         programs = {"base": load_workload(source), "base_again": load_workload(source)}
         for f in args.slowdowns:
             programs[f"slow_{f:g}"] = planted_variant(source, Path(tmp) / f"slow_{f:g}", f)
@@ -300,18 +350,25 @@ def measure(args) -> dict:
 
 def report(record: dict, args, slowdowns: list[float]) -> None:
     rounds = record["rounds"]
-    first, block = args.rounds, args.max_rounds
-    record["decision"] = {"first_look_rounds": first, "max_rounds": block}
-    record["summary_independent"] = summarise(decide_blocks(rounds, block, args, slowdowns, sliding=False, first=first))
-    record["summary_sliding"] = summarise(decide_blocks(rounds, block, args, slowdowns, sliding=True, first=first))
-    record["summary_pooled"] = summarise(decide_blocks(rounds, len(rounds), args, slowdowns, sliding=False))
+    schedule = looks(args.rounds, args.max_rounds)
+    level = nominal_level(schedule, (1.0 - args.confidence) / 2.0)
+    record["decision"] = {"rule": "sequential (agents/profiler/sequential.py)", "looks": list(schedule), "nominal_level": level,
+                          "futility_power": FUTILITY_POWER, "max_rounds": args.max_rounds}
+    record["summary_independent"] = summarise(decide_consecutive(rounds, args, slowdowns))
+    record["summary_sliding"] = summarise(decide_blocks(rounds, args.max_rounds, args, slowdowns, sliding=True))
+    record["summary_resampled"] = summarise(decide_resampled(rounds, args, slowdowns, args.resampled))
+    record["summary_pooled"] = summarise(decide_blocks(rounds, len(rounds), args, slowdowns, sliding=False, sequential=False))
     steps = record["config"]["steps_per_round"]
-    gate = f"{first} rounds, a second look over {block} when inconclusive but off 1 by >= min gain" if block > first else f"{first} rounds"
-    print(table(record["summary_independent"], f"{len(rounds) // block} independent gate runs ({gate}) x {steps} steps"))
+    gate = f"looks at {', '.join(map(str, schedule))} rounds, one-sided level {level:.4g} at each, futility below {FUTILITY_POWER:g}"
+    print(f"rule: {gate}; spawn: {record['config'].get('spawn', 'exec (not recorded)')}\n")
+    print(table(record["summary_independent"], f"independent gate runs, each starting where the last stopped ({steps} steps a round)"))
     print()
-    print(table(record["summary_sliding"], f"sliding windows of {block} rounds ({gate}; overlapping, not independent)"))
+    print(table(record["summary_sliding"], f"sliding windows of {args.max_rounds} rounds (overlapping, not independent)"))
     print()
-    print(table(record["summary_pooled"], f"all {len(rounds)} rounds pooled as one gate run"))
+    print(table(record["summary_resampled"], f"{args.resampled} gate runs on rounds drawn with replacement from the {len(rounds)} "
+                "recorded (not independent)"))
+    print()
+    print(table(record["summary_pooled"], f"all {len(rounds)} rounds pooled as one decision"))
     machine = record["machine"]
     print(f"\nload average start {machine['loadavg_start']}, end {machine.get('loadavg_end')}; "
           f"{record.get('wall_s', 0):.0f} s of measuring")
