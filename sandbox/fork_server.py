@@ -238,3 +238,15 @@ def serving(kind: SpawnKind, *, prefix: tuple[str, ...] = (), work_dir: Path | N
         finally:
             _ACTIVE.remove(pool)
             pool.close()
+
+
+@contextlib.contextmanager
+def exec_only() -> Iterator[None]:
+    """Children started inside this block are exec'd even inside `serving` (benchmarks/gate_cost.py
+    interleaves both kinds while one pool stays open)."""
+    saved = list(_ACTIVE)
+    _ACTIVE.clear()
+    try:
+        yield
+    finally:
+        _ACTIVE.extend(saved)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from trainbridge.agents.profiler.sequential import replay
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 MLP = BENCH / "workloads" / "mlp"
 
@@ -269,24 +271,27 @@ def test_suite_cli_settings_and_section_names():
 # --- gate calibration decides as the gate does -------------------------------------------------------
 
 
-def test_calibration_blocks_are_decided_with_the_gates_two_looks():
+def test_calibration_blocks_are_decided_with_the_gates_sequential_rule():
     from types import SimpleNamespace
 
     calibration = bench("gate_calibration")
-    # 20 rounds: the 5%-gain condition (slow_0.05 as baseline, base as candidate) is 3% faster in the first
-    # 10 rounds but three of them go the other way (inconclusive, promising); the next 10 are clean
+    # 20 rounds: the 5%-gain condition (slow_0.05 as baseline, base as candidate) is 3% faster, but three of the
+    # first ten rounds go the other way (a close call: later looks decide); the +10% condition is twice as slow
     cand = [0.097] * 5 + [0.101] * 3 + [0.097] * 2 + [0.097] * 10
     rounds = [{"samples": {"base": [c], "base_again": [0.1], "slow_0.02": [0.1], "slow_0.05": [0.1], "slow_0.1": [0.2]}} for c in cand]
-    args = SimpleNamespace(min_gain=0.01, confidence=0.95)
-    two = calibration.decide_blocks(rounds, 20, args, [0.02, 0.05, 0.1], sliding=False, first=10)
-    gain = two["-4.8% (5% gain)"][0]
-    assert gain["rounds_used"] == 20 and gain["second_look"] and gain["outcome"] == "accepted"
-    slower = two["+10% slower"][0]  # decided at the first look: the rest is not read
-    assert slower["rounds_used"] == 10 and not slower["second_look"] and slower["outcome"] == "slower"
-    one = calibration.decide_blocks(rounds[:10], 10, args, [0.02, 0.05, 0.1], sliding=False)
-    assert one["-4.8% (5% gain)"][0]["outcome"] == "not_significant"
-    rows = {r["condition"]: r for r in calibration.summarise(two)}
-    assert rows["-4.8% (5% gain)"]["second_looks"] == 1.0 and rows["+10% slower"]["second_looks"] == 0.0
+    args = SimpleNamespace(min_gain=0.01, confidence=0.95, rounds=10, max_rounds=20)
+    decided = calibration.decide_blocks(rounds, 20, args, [0.02, 0.05, 0.1], sliding=False)
+    gain = decided["-4.8% (5% gain)"][0]
+    assert gain["outcome"] == "accepted" and gain["looks"] > 2 and 10 < gain["rounds_used"] <= 20
+    slower = decided["+10% slower"][0]  # decided at the first look that can decide (8 rounds): the rest is not read
+    assert slower["rounds_used"] == 8 and slower["looks"] == 2 and slower["outcome"] == "slower" and slower["stopped"] == "decided"
+    # exactly what the gate's own rule says on the same rounds
+    expected = replay([[0.1]] * 20, [[c] for c in cand], None, rounds=10, max_rounds=20)
+    assert gain["rounds_used"] == len(expected.baseline_rounds) and gain["ratio"] == expected.decision.ratio
+    one = calibration.decide_blocks(rounds[:10], 10, args, [0.02, 0.05, 0.1], sliding=False, sequential=False)
+    assert one["-4.8% (5% gain)"][0]["outcome"] == "not_significant" and one["-4.8% (5% gain)"][0]["rounds_used"] == 10
+    rows = {r["condition"]: r for r in calibration.summarise(decided)}
+    assert rows["+10% slower"]["mean_rounds"] == 8 and rows["-4.8% (5% gain)"]["mean_rounds"] == gain["rounds_used"]
 
 
 def test_paired_calibration_rounds_pair_each_condition_within_its_own_pair_and_leave_busy_rounds_out():
@@ -302,10 +307,10 @@ def test_paired_calibration_rounds_pair_each_condition_within_its_own_pair_and_l
             "base_again": {"base": [0.1], "base_again": [0.3 if busy else 0.1], "cores": {"base": 0.9 if busy else 1.95, "base_again": 1.9}},
             "slow_0.05": {"base": [0.1], "slow_0.05": [0.105], "cores": {"base": 1.95, "slow_0.05": 1.95}},
         }})
-    args = SimpleNamespace(min_gain=0.01, confidence=0.95)
-    decided = calibration.decide_blocks(rounds, 10, args, [0.05], sliding=False, first=10)
-    aa = decided["A/A"][0]
-    assert aa["busy_rounds"] == [3] and aa["rounds_used"] == 9 and aa["ratio"] == pytest.approx(1.0)
+    args = SimpleNamespace(min_gain=0.01, confidence=0.95, rounds=10, max_rounds=10)
+    decided = calibration.decide_blocks(rounds, 10, args, [0.05], sliding=False)
+    aa = decided["A/A"][0]  # no change at all: stopped for futility at the first look, 6 kept rounds (7 measured)
+    assert aa["busy_rounds"] == [3] and aa["rounds_used"] == 7 and aa["ratio"] == pytest.approx(1.0) and aa["stopped"] == "futility"
     slow = decided["+5% slower"][0]
     assert slow["busy_rounds"] == [] and slow["ratio"] == pytest.approx(1.05) and slow["outcome"] == "slower"
     gain = decided["-4.8% (5% gain)"][0]  # the same pair with roles swapped: slow_0.05's cores were recorded too
