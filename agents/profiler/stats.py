@@ -23,11 +23,10 @@ The design, and why:
   when the whole interval lies above 1 and the test agrees. Everything else is not significant.
   The exact test cannot reach p < 0.025 with fewer than 6 rounds, so with 95% confidence at least
   6 rounds are needed to accept anything: fewer rounds always give ``not_significant``.
-- **A second look** (`gate_decision`): a first look that is inconclusive but whose estimate already
-  shows the required gain (or a loss as large) gets more rounds and one more decision over all of
-  them. Effects of a few percent need more rounds than clear wins or losses; the gate spends them
-  only where they can change the verdict. `benchmarks/gate_calibration.py` measures the false-accept rate and power of
-  exactly this procedure.
+- **Looks.** The gate decides by the sequential rule of agents/profiler/sequential.py: a look
+  every few rounds, each one `decide_speed` at a level chosen for the whole schedule, stopping as
+  soon as a look decides. `gate_decision` (one look, and a second over more rounds when the first
+  is inconclusive but promising) is the rule it replaced, kept for comparisons on recorded samples.
 """
 
 from __future__ import annotations
@@ -279,7 +278,7 @@ def gate_decision(
     min_gain: float = 0.01,
     confidence: float = 0.95,
 ) -> SpeedDecision:
-    """What the gate decides with at most two looks: after `first` rounds, and -- only when that look
+    """The previous rule (the gate now uses agents/profiler/sequential.py): at most two looks, after `first` rounds, and -- only when that look
     `wants_more_rounds` -- again over all the rounds given. Two looks at the same level could at worst
     double the false-accept rate; the calibration benchmark measures the rate this procedure has."""
     if first < 1:
