@@ -56,15 +56,15 @@ def timed_single(workload, inputs: RoundInputs) -> float:
     return time.monotonic() - started
 
 
-def measure_workload(path: Path, pairs: int, rng: random.Random) -> dict:
-    workload = load_workload(path)
+def measure_workload(path: Path, pairs: int, rng: random.Random, *, steps: int | None, warmup: int | None, singles: bool) -> dict:
+    workload = load_workload(path).with_overrides(steps=steps, warmup_steps=warmup)
     config = workload.config
 
     def draw() -> RoundInputs:
         return RoundInputs.draw(rng, numerics_steps=3, warmup=config.warmup_steps, steps=config.steps, index_range=256)
 
     walls: dict[str, list[float]] = {"exec": [], "fork-server": []}
-    singles: dict[str, list[float]] = {"exec": [], "fork-server": []}
+    children: dict[str, list[float]] = {"exec": [], "fork-server": []}
     first_fork = None
     with fork_server.serving("fork-server") as pool:
         assert pool is not None
@@ -75,12 +75,14 @@ def measure_workload(path: Path, pairs: int, rng: random.Random) -> dict:
                 inputs = draw()
                 with fork_server.exec_only() if kind == "exec" else contextlib.nullcontext():  # the pool stays open
                     walls[kind].append(timed_round(workload, inputs, kind))
-                    singles[kind].append(timed_single(workload, inputs))
-                print(f"{path.name}: pair {i + 1}/{pairs} {kind}: round {walls[kind][-1]:.1f} s, single child "
-                      f"{singles[kind][-1]:.1f} s (load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
+                    if singles:
+                        children[kind].append(timed_single(workload, inputs))
+                print(f"{path.name}: pair {i + 1}/{pairs} {kind}: round {walls[kind][-1]:.1f} s"
+                      + (f", single child {children[kind][-1]:.1f} s" if singles else "") + f" (load {os.getloadavg()[0]:.2f})",
+                      file=sys.stderr, flush=True)
         fallbacks = list(pool.fallbacks)
     return {"workload": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path), "steps": config.steps,
-            "warmup_steps": config.warmup_steps, "round_wall_s": walls, "single_child_wall_s": singles,
+            "warmup_steps": config.warmup_steps, "round_wall_s": walls, "single_child_wall_s": children,
             "first_fork_round_s": first_fork, "fork_fallbacks": fallbacks}
 
 
@@ -89,7 +91,9 @@ def per_candidate(entry: dict, kind: str, mean_rounds: float) -> float:
     child, then the later rounds at the median round cost."""
     round_s = statistics.median(entry["round_wall_s"][kind])
     first = entry["first_fork_round_s"] if kind == "fork-server" else round_s
-    return first + statistics.median(entry["single_child_wall_s"][kind]) + (mean_rounds - 1) * round_s
+    single = entry["single_child_wall_s"][kind]
+    drift = statistics.median(single) if single else round_s  # not measured: counted as one more round (it is one child, not two)
+    return first + drift + (mean_rounds - 1) * round_s
 
 
 def table(entries: list[dict], mean_rounds: float) -> str:
@@ -109,13 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=4, help="interleaved (exec, fork-server) round pairs per workload")
     parser.add_argument("--mean-rounds", type=float, default=10.4,
                         help="rounds per judged candidate (the sequential rule's mean in the offline llama calibration)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per child (default: the workload's)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per child (default: the workload's)")
+    parser.add_argument("--no-singles", action="store_true", help="skip the single (drift) child of each pair")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "gate_cost.json")
     args = parser.parse_args(argv)
     rng = random.Random()
     record = {"benchmark": "gate_cost", "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "loadavg_start": os.getloadavg(),
-              "cpus": os.cpu_count(), "pairs": args.pairs, "mean_rounds": args.mean_rounds, "workloads": []}
+              "cpus": os.cpu_count(), "pairs": args.pairs, "steps": args.steps, "warmup": args.warmup, "mean_rounds": args.mean_rounds, "workloads": []}
     for path in args.workloads:
-        record["workloads"].append(measure_workload(path.resolve(), args.pairs, rng))
+        record["workloads"].append(measure_workload(path.resolve(), args.pairs, rng, steps=args.steps, warmup=args.warmup,
+                                                    singles=not args.no_singles))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1), encoding="utf-8")
     record["loadavg_end"] = os.getloadavg()
