@@ -143,7 +143,7 @@ class Case:
     expect: str = "match"  # "match": same numerics; "refused": the engine refuses; "fails": the run fails
     # loudly; "diverges": (a deliberately broken recipe) runs but the numerics check rejects it
     expect_error: str = ""  # for "fails": a regular expression the child's error must match
-    mutate: tuple[str, str] | None = None  # (old, new) text replaced in the recipe's replacement: a broken recipe
+    mutate: tuple[str, str] | None = None  # (old, new) text replaced in the recipe's replacement (else its define): a broken recipe
     slow: bool = False
     scan_target: str | None = None  # the target the scanner reports for (None: target-independent findings only)
 
@@ -159,9 +159,13 @@ class Case:
         if self.mutate is None:
             return recipe
         old, new = self.mutate
-        assert old in recipe.replacement, f"mutation {old!r} not in {recipe.id}'s replacement"
-        return Recipe.model_validate({**recipe.model_dump(mode="json", by_alias=True),
-                                      "replacement": recipe.replacement.replace(old, new)})
+        data = recipe.model_dump(mode="json", by_alias=True)
+        if old in recipe.replacement:
+            return Recipe.model_validate({**data, "replacement": recipe.replacement.replace(old, new)})
+        define = str(recipe.match.params.get("define") or "")  # a trap inside the helper the recipe defines
+        assert old in define, f"mutation {old!r} not in {recipe.id}'s replacement or define"
+        data["match"]["params"]["define"] = define.replace(old, new)
+        return Recipe.model_validate(data)
 
 
 def examples(*cases: Case) -> list[Case]:
