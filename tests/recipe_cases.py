@@ -130,6 +130,7 @@ CASES: list[Case] = [
     Case("rmsnorm-library-npu", "variant_qknorm", "npu", "rmsnorm", nth=2, scan_target="npu"),  # inside self.up(...) in a call chain
     Case("rope-halves-npu-rotary-mul", "variant_qknorm", "npu", "rope"),
     Case("attention-sdpa-npu-fusion", "variant_qknorm", "npu", "attention", scan_target="npu"),
+    Case("rope-function-npu-rotary-mul", "variant_qknorm", "npu", function="net.py:rotate_pairs"),  # by behaviour
     Case("rope-halves-npu-rotary-mul", "variant_qknorm", "npu", "rope", expect="diverges",
          mutate=("-torch.cat(($s, $s)", "torch.cat(($s, $s)")),  # the rotation's direction: r2 = -sin
     Case("rope-halves-npu-rotary-mul", "variant_qknorm", "npu", "rope", expect="diverges",

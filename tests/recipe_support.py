@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from trainbridge.agents.coder.semantic_match import apply_semantically, probes
 from trainbridge.agents.analyst.static.scan import scan_repo
 from trainbridge.knowledge.schema import Recipe, load_recipe_dir
 from trainbridge.knowledge.store import SEED_DIR
@@ -218,8 +219,11 @@ def apply_case(case: Case, folder: Path) -> Applied:
         try:
             edit = apply_recipe(source, recipe, span)
         except CodemodRefused as refused:
-            applied.refusals.append(str(refused))
-            continue
+            edit, why = apply_semantically(source, span, recipe, root=folder) if probes(recipe) else (None, "")
+            if edit is None:  # as the coder does: a recipe matched by behaviour runs the region first
+                applied.refusals.append(str(refused) + (f"; by behaviour: {why}" if why else ""))
+                continue
+            edit.notes.append(why)
         compile(edit.source, str(path), "exec")  # must parse
         path.write_text(edit.source)
         applied.file, applied.before, applied.after, applied.notes = span.file, source, edit.source, edit.notes
