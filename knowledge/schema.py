@@ -200,13 +200,15 @@ class Numerics(_Model):
     rtol: float | None = Field(default=None, ge=0)
     atol: float | None = Field(default=None, ge=0)
     loss_rtol: float | None = Field(default=None, ge=0, description="relative loss drift allowed over the check steps")
+    grad_cosine_min: float | None = Field(default=None, gt=0, le=1, description="per-parameter gradient cosine floor, "
+                                          "when the gate's default (0.9999) is tighter than the rewrite's rounding allows")
 
     @model_validator(mode="after")
     def _check_class(self) -> "Numerics":
         if self.class_ == "tolerance" and (self.rtol is None or self.atol is None):
             raise ValueError("class 'tolerance' needs rtol and atol")
-        if self.class_ == "exact" and any(v is not None for v in (self.rtol, self.atol, self.loss_rtol)):
-            raise ValueError("class 'exact' takes no rtol/atol/loss_rtol")
+        if self.class_ == "exact" and any(v is not None for v in (self.rtol, self.atol, self.loss_rtol, self.grad_cosine_min)):
+            raise ValueError("class 'exact' takes no rtol/atol/loss_rtol/grad_cosine_min")
         return self
 
 

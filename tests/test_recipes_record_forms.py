@@ -128,3 +128,20 @@ def test_rotary_halves_still_read_afterwards_are_refused():
                                "out = torch.cat([y1, y2], 3).type_as(x)\n    return out + x1.sum()")
     with pytest.raises(CodemodRefused, match="x1"):
         apply_recipe(source, RECIPES["rope-halves-npu-rotary-mul"], _span(source, "def apply_rope", "return"))
+
+
+# --- the gate's tolerance for a rewrite that rounds once where bf16 code rounds per op ---------------
+
+
+def test_a_recipe_may_lower_the_gates_cosine_floor_but_never_raise_it():
+    from trainbridge.agents.profiler.judge import tolerance_for
+    from trainbridge.knowledge.schema import Numerics
+
+    default = tolerance_for(RECIPES["rmsnorm-library-npu"].numerics)
+    assert default.grad_cosine_min == 0.9999
+    rope = tolerance_for(RECIPES["rope-halves-npu-rotary-mul"].numerics)
+    assert rope.grad_cosine_min == 0.999 and rope.grad_rtol == 1e-2
+    stricter = Numerics.model_validate({"class": "tolerance", "rtol": 1e-3, "atol": 1e-5, "grad_cosine_min": 0.99999})
+    assert tolerance_for(stricter).grad_cosine_min == 0.9999  # the gate's default stays the ceiling
+    with pytest.raises(ValueError, match="exact"):
+        Numerics.model_validate({"class": "exact", "grad_cosine_min": 0.999})

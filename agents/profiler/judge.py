@@ -25,6 +25,7 @@ def tolerance_for(numerics) -> NumericsTolerance:
         grad_rtol=max(numerics.rtol or 0.0, defaults.grad_rtol),
         grad_atol=max(numerics.atol or 0.0, defaults.grad_atol),
         loss_rtol=max(numerics.loss_rtol or 0.0, defaults.loss_rtol),
+        grad_cosine_min=min(numerics.grad_cosine_min or defaults.grad_cosine_min, defaults.grad_cosine_min),
     )
 
 
