@@ -34,7 +34,11 @@ declares the parameters it needs; ``$name`` in a parameter string binds a placeh
       {kind: semantic, params: {scope: module_forward, signature: [x], attributes: [weight, eps]}}
 
   Required: ``scope`` (``function`` or ``module_forward``) and ``signature`` (argument names,
-  bound as placeholders); optional ``attributes`` (module attributes, bound as ``$self_<name>``).
+  bound as placeholders); optional ``attributes`` (module attributes, bound as ``$self_<name>``),
+  ``alternatives`` (syntactic forms: the fast path), and for a function matched by behaviour
+  ``candidates`` (replacements, tried in order) with ``probe`` (input shape sets, ``{x: {shape: [..],
+  dtype: float32}}``): the coder runs the function and each candidate in a sandboxed child and writes
+  in the first one whose outputs and input gradients agree (agents/coder/semantic_match.py).
 
 - ``statements``: a sequence of statement patterns matched against consecutive statements of one
   block inside the span (a metavariable binds the same code in every statement it appears in)::
