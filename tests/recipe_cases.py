@@ -131,6 +131,7 @@ CASES: list[Case] = [
     Case("rope-halves-npu-rotary-mul", "variant_qknorm", "npu", "rope"),
     Case("attention-sdpa-npu-fusion", "variant_qknorm", "npu", "attention", scan_target="npu"),
     Case("rope-function-npu-rotary-mul", "variant_qknorm", "npu", function="net.py:rotate_pairs"),  # by behaviour
+    Case("rope-complex-npu-rotary-mul", "variant_polar", "npu", "rope"),  # view_as_complex(x) * polar freqs, by behaviour
     Case("rope-halves-npu-rotary-mul", "variant_qknorm", "npu", "rope", expect="diverges",
          mutate=("-torch.cat(($s, $s)", "torch.cat(($s, $s)")),  # the rotation's direction: r2 = -sin
     Case("rope-halves-npu-rotary-mul", "variant_qknorm", "npu", "rope", expect="diverges",

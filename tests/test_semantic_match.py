@@ -128,3 +128,36 @@ def test_the_documented_trap_as_the_only_candidate_is_refused_by_the_probe():
     wrong = RECIPE.model_copy(update={"match": RECIPE.match.model_copy(update={"params": params})})
     found = match_region(FORMS, _span(FORMS, "spin"), wrong, target="npu")
     assert found.replacement is None and "max abs diff" in found.checks[0].detail
+
+
+COMPLEX = _src('''
+    import torch
+
+
+    def meta_style(xq, freqs_cis):
+        xc = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+        shape = [d if i in (1, xc.ndim - 1) else 1 for i, d in enumerate(xc.shape)]
+        return torch.view_as_real(xc * freqs_cis.view(*shape)).flatten(3).type_as(xq)
+
+
+    def heads_first(x, freqs_cis):
+        xc = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs_cis[None, None]).flatten(-2)
+
+
+    def conjugate(x, freqs_cis):
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs_cis.conj()[None, :, None, :]).flatten(3).type_as(x)
+''')
+
+
+@pytest.mark.parametrize("name, layout", [("meta_style", "seq_dim=1"), ("heads_first", "seq_dim=2")])
+def test_complex_multiply_rotary_gets_interleave_tables_in_its_own_layout(name, layout):
+    recipe = RECIPES["rope-complex-npu-rotary-mul"]
+    found = match_region(COMPLEX, _span(COMPLEX, name), recipe, target="npu")
+    assert found.replacement is not None and layout in found.replacement, found.summary()
+
+
+def test_a_complex_rotary_turning_the_other_way_is_refused():
+    edit, why = apply_semantically(COMPLEX, _span(COMPLEX, "conjugate"), RECIPES["rope-complex-npu-rotary-mul"])
+    assert edit is None and "no candidate computes the same" in why and "max abs diff" in why

@@ -36,7 +36,8 @@ from trainbridge.tools.codemods import scopes
 from trainbridge.tools.codemods.template import render_statements
 
 ORIGINAL, CANDIDATE = "_tb_original", "_tb_candidate"
-ArgSpec = dict  # {"shape": [..], "dtype": "float32", "low": -1.0, "high": 1.0}; int dtypes: integer draws in [low, high)
+ArgSpec = dict  # {"shape": [..], "dtype": "float32", "low": -1.0, "high": 1.0}; int dtypes: integer draws in [low, high);
+# complex dtypes: unit phasors of random angles (rotary frequencies)
 
 
 class ProbeError(ValueError):
@@ -116,6 +117,9 @@ def _tb_draw(spec, generator):
     dtype = getattr(torch, spec.get("dtype", "float32"))
     shape = tuple(spec["shape"])
     low, high = float(spec.get("low", -1.0)), float(spec.get("high", 1.0))
+    if dtype.is_complex:  # unit phasors (rotary frequencies, torch.polar(ones, angles)): no gradient
+        angles = torch.rand(shape, generator=generator, dtype=torch.float64) * 6.283185307179586
+        return torch.polar(torch.ones_like(angles), angles).to(dtype).to(_TB_DEVICE)
     if dtype.is_floating_point:
         value = torch.rand(shape, generator=generator, dtype=torch.float64) * (high - low) + low
         return value.to(dtype).to(_TB_DEVICE).requires_grad_(True)
