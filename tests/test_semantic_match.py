@@ -103,6 +103,7 @@ def test_a_rotary_spelled_with_narrow_and_stack_gets_the_half_table_rewrite():
     body = edit.source.split("def spin(", 1)[1].split("\ndef ", 1)[0]
     assert "return torch_npu.npu_rotary_mul(t, torch.cat((c, c), dim=-1), -torch.cat((s, s), dim=-1))" in body
     assert "t.narrow(" not in body and '"""Halves by narrow' in body  # the docstring stays
+    assert "_tb_rope_table" not in edit.source  # a helper only other candidates call is not inserted
     assert why.startswith("semantic match: spin: equivalent on shapes") and "candidate 1 of" in why
 
 

@@ -12,12 +12,15 @@ syntactic ``alternatives`` stay the fast path: `match_region` is only asked when
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,6 +132,8 @@ def apply_semantically(source: str, span: SourceSpan, recipe: Recipe, *, root: P
     if found.replacement is None:
         return None, found.summary()
     params = {k: v for k, v in recipe.match.params.items() if k not in ("alternatives", "probe", "candidates")}  # decided
+    if params.get("define") and not _uses_definitions(str(params["define"]), found.replacement):
+        del params["define"]  # the helpers serve other candidates: keep the diff to what this one calls
     chosen = recipe.model_copy(update={"replacement": found.replacement,
                                        "match": recipe.match.model_copy(update={"params": params})})
     try:
@@ -136,3 +141,8 @@ def apply_semantically(source: str, span: SourceSpan, recipe: Recipe, *, root: P
     except CodemodRefused as refused:
         return None, f"{found.summary()}, but the rewrite was refused: {refused.reason}"
     return edit, "semantic match: " + found.summary()
+
+
+def _uses_definitions(define: str, replacement: str) -> bool:
+    names = [node.name for node in ast.parse(textwrap.dedent(define)).body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+    return not names or any(re.search(rf"\b{re.escape(name)}\b", replacement) for name in names)
