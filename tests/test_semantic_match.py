@@ -162,3 +162,8 @@ def test_complex_multiply_rotary_gets_interleave_tables_in_its_own_layout(name, 
 def test_a_complex_rotary_turning_the_other_way_is_refused():
     edit, why = apply_semantically(COMPLEX, _span(COMPLEX, "conjugate"), RECIPES["rope-complex-npu-rotary-mul"])
     assert edit is None and "no candidate computes the same" in why and "max abs diff" in why
+
+
+def test_the_coder_gets_a_refusal_not_an_exception_when_the_region_cannot_be_probed():
+    edit, why = apply_semantically(FORMS, _span(FORMS, "rotate"), RECIPE)
+    assert edit is None and why.startswith("the region cannot be probed") and "reads its object" in why

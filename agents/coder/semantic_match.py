@@ -24,13 +24,17 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import libcst as cst
+
 from trainbridge.knowledge.schema import Recipe
 from trainbridge.records import SourceSpan
 from trainbridge.sandbox.backends import Backend, npu_selection
 from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory, network_isolation, scrubbed_env
 from trainbridge.sandbox.npu_emulation import selection_env
 from trainbridge.tools.codemods.engine import CodemodRefused, Edit, apply_recipe
+from trainbridge.tools.codemods.pattern import PatternError
 from trainbridge.tools.codemods.region_probe import ProbeError, build_probe, verdict
+from trainbridge.tools.codemods.template import TemplateError
 
 TIMEOUT_S = 120.0
 # The probe draws float32 inputs: a right candidate agrees with the region to float32 rounding. (The
@@ -127,8 +131,8 @@ def apply_semantically(source: str, span: SourceSpan, recipe: Recipe, *, root: P
     the region cannot be probed."""
     try:
         found = match_region(source, span, recipe, target=recipe_target(recipe), root=root, captured=captured)
-    except ProbeError as exc:
-        return None, str(exc)
+    except (ProbeError, PatternError, TemplateError, cst.ParserSyntaxError) as exc:
+        return None, f"the region cannot be probed: {exc}"
     if found.replacement is None:
         return None, found.summary()
     params = {k: v for k, v in recipe.match.params.items() if k not in ("alternatives", "probe", "candidates")}  # decided
