@@ -81,6 +81,8 @@ def test_regions_that_cannot_be_probed_say_why():
         update={"params": {k: v for k, v in RECIPE.match.params.items() if k != "probe"}})})
     with pytest.raises(ProbeError, match="no probe shapes"):
         build_probe(FORMS, _span(FORMS, "spin"), bare)
+    with pytest.raises(ProbeError, match=r"_swap\(t\) takes 1 argument"):
+        build_probe(FORMS, _span(FORMS, "_swap"), RECIPE)
     with pytest.raises(ProbeError, match="no function holds"):
         build_probe(FORMS, SourceSpan(file="rot.py", line_start=1, line_end=1), RECIPE)
 

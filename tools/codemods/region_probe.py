@@ -192,8 +192,11 @@ def build_probe(source: str, span: SourceSpan, recipe: Recipe, replacements: lis
     module, function, qualname, site = find_function(source, span)
     signature = [str(n) for n in params.get("signature", [])] or [p.name.value for p in function.params.params]
     replacements = replacements or [str(c) for c in params.get("candidates", []) or []] or [recipe.replacement]
-    sets = shape_sets(recipe, captured)
     names = [p.name.value for p in function.params.params]
+    if len(names) != len(signature):
+        raise ProbeError(f"{qualname}({', '.join(names)}) takes {len(names)} argument(s); recipe {recipe.id} expects "
+                         f"({', '.join(signature)})")
+    sets = shape_sets(recipe, captured)
     renamed = [{names[signature.index(k)] if k in signature else k: v for k, v in s.items()} for s in sets]
     parts = ["import json", "import torch", *recipe.imports, *_context(module)]
     if params.get("define"):
