@@ -154,7 +154,7 @@ COMPLEX = _src('''
 ''')
 
 
-@pytest.mark.parametrize("name, layout", [("meta_style", "seq_dim=1"), ("heads_first", "seq_dim=2")])
+@pytest.mark.parametrize("name, layout", [("meta_style", "$x, 1)"), ("heads_first", "$x, 2)")])
 def test_complex_multiply_rotary_gets_interleave_tables_in_its_own_layout(name, layout):
     recipe = RECIPES["rope-complex-npu-rotary-mul"]
     found = match_region(COMPLEX, _span(COMPLEX, name), recipe, target="npu")
