@@ -221,8 +221,8 @@ def execute(channel) -> None:
         if not spec.get("script"):
             sys.path.insert(1, str(root))
         sys.argv = [spec["script"] or spec["module"], *apply_argv(spec.get("args", []), request.get("overrides", {}))]
-        if spec.get("launcher") == "torchrun":  # one process (more are refused before the child starts)
-            note = _loopback_up()
+        if spec.get("launcher") == "torchrun" and "WORLD_SIZE" not in os.environ:  # one process; a rank of a group
+            note = _loopback_up()                     # has torchrun's environment from sandbox/rank_supervisor.py
             if note:
                 print(f"trainbridge: {note}", file=sys.stderr)
             os.environ.update(single_torchrun_env(_free_port()))
