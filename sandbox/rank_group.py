@@ -40,6 +40,7 @@ from trainbridge.sandbox.results import Failure, FailureKind
 from trainbridge.sandbox.script_launch import rank_threads
 
 TAIL_CHARS = 2000
+REAP_WAIT_S = 5.0  # for killed ranks to finish exiting
 SETTLE_S = 1.0  # after one rank failed: how long its peers' own closing messages are waited for (to name the first cause)
 _PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo", "Gloo", "ProcessGroup")
 
@@ -109,8 +110,29 @@ class RankGroupChild(DrivenChild):
         super().close(survivors)
         for channel in self.channels[1:]:
             channel.close()
+        self._reap_ranks()
         if self.popen is not None and self.out.failure is None and self.out.result is None:
             self.out.failure = self._group_failure()
+
+    def _reap_ranks(self) -> None:
+        """The ranks died with the group's process group; wait (at most REAP_WAIT_S) until each is gone, reaping those
+        handed to this process as subreaper (a rank still exiting when the group was reaped would stay a zombie)."""
+        deadline = time.monotonic() + REAP_WAIT_S
+        me = os.getpid()
+        for pid in self.rank_pids():
+            while True:
+                stat = proc_watch.read_stat(pid)
+                if stat is None or (self.since is not None and stat.start_ticks < self.since):
+                    break  # gone (or the number is another process's now)
+                if stat.state == "Z" and stat.ppid == me:
+                    try:
+                        os.waitpid(pid, 0)
+                    except ChildProcessError:
+                        pass
+                    break
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
 
     # ---- the protocol, to every rank ----
     def send(self, message: dict[str, Any]) -> None:
@@ -181,7 +203,7 @@ class RankGroupChild(DrivenChild):
         first = closings[0]
         watch.replaced = sorted({str(name) for c in closings.values() for name in c.get("replaced", [])})
         counts = [c["threads_in_use"] for c in closings.values() if isinstance(c.get("threads_in_use"), int)]
-        watch.threads_in_use = max(counts) if counts else None
+        watch.threads_in_use = sum(counts) if counts else None  # the group's: the gate's threads are shared among the ranks
         failed = [rank for rank in range(self.ranks) if closings[rank].get("failure")]
         if failed:
             out.failure = self._rank_failure(failed[0], closings[failed[0]])
