@@ -32,7 +32,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "rank_pairing.json"
 
 
 def _toml(nproc: int, warmup: int, steps: int) -> str:
-    return (f'launch = "torchrun --standalone --nproc_per_node {nproc} train.py --batch_size=4"\ndata = ["data/"]\n'
+    return (f'launch = "torchrun --standalone --nproc_per_node {nproc} train.py --batch_size=4 --block_size=64"\ndata = ["data/"]\n'
             f"warmup_steps = {warmup}\nsteps = {steps}\ntimeout_s = 300\n")
 
 

@@ -271,6 +271,7 @@ class RankGroupChild(DrivenChild):
         """The failure that ended the group: `rank`'s, unless it only reports a peer that went away (a collective
         whose peer failed) and a peer's own closing message, read within SETTLE_S, gives the cause."""
         found = {rank: reply}
+        closed = False  # a peer's channel closed: it died, and the supervisor's log says how
         settle = time.monotonic() + SETTLE_S
         while others and _looks_like_peer_error(reply) and time.monotonic() < settle:
             readable, _, _ = select.select([self.channels[r].read_fd for r in others], [], [], max(0.0, settle - time.monotonic()))
@@ -279,7 +280,10 @@ class RankGroupChild(DrivenChild):
                 others = others - {other}
                 try:
                     message = self.channels[other].recv(settle)
-                except (ChannelClosed, ChannelTimeout, ChannelProtocolError):
+                except ChannelClosed:
+                    closed = True
+                    continue
+                except (ChannelTimeout, ChannelProtocolError):
                     continue
                 if message.get("op") == "result" and message.get("failure"):
                     found[other] = message
@@ -287,6 +291,12 @@ class RankGroupChild(DrivenChild):
             if causes:
                 rank, reply = causes[0], found[causes[0]]
                 break
+        if _looks_like_peer_error(reply) and closed:
+            while time.monotonic() < settle + SETTLE_S:
+                death = self._death()
+                if death is not None:
+                    return death
+                time.sleep(0.05)
         if not reply.get("failure"):
             return None
         return self._rank_failure(rank, reply)
@@ -309,19 +319,28 @@ class RankGroupChild(DrivenChild):
             return Failure(kind=FailureKind.timeout, step=done, traceback_tail=tails or None, message=(
                 f"no reply from rank(s) {who} of {self.ranks} within the {self.spec.timeout_s:g} s limit: a rank hung (a peer that "
                 f"waits in a collective shows as silent too); the whole group was killed after {done} step(s)"))
-        exits = [event for event in self._events() if event.get("event") == "exited" and event.get("failed")]
-        if exits:
-            rank, status = int(exits[0]["rank"]), str(exits[0]["status"])
-            kind = FailureKind.oom if status == "signal SIGKILL" else FailureKind.crashed
-            cause = "; most likely the kernel's out-of-memory killer" if kind == FailureKind.oom else ""
-            return Failure(kind=kind, step=done, traceback_tail=self.rank_tail(rank) or None, message=(
-                f"rank {rank} of {self.ranks} died ({status}) after {done} step(s) without a result{cause}; the other ranks "
-                "were killed with it"))
+        death = self._death()
+        if death is not None:
+            return death
         if self.failed_rank is not None:
             return Failure(kind=FailureKind.crashed, step=done, traceback_tail=self.rank_tail(self.failed_rank) or None,
                            message=f"rank {self.failed_rank} of {self.ranks} closed its control channel after {done} step(s) "
                                    "without a result; the whole group was killed")
         return None  # the supervisor itself: classified from its exit status by the runner
+
+    def _death(self) -> Failure | None:
+        """The first rank the supervisor saw die (a signal or a non-zero status), as a failure; None: none died."""
+        exits = [event for event in self._events() if event.get("event") == "exited" and event.get("failed")]
+        if not exits:
+            return None
+        done = len(self.out.inner_times_s)
+        rank, status = int(exits[0]["rank"]), str(exits[0]["status"])
+        kind = FailureKind.oom if status == "signal SIGKILL" else FailureKind.crashed
+        cause = "; most likely the kernel's out-of-memory killer" if kind == FailureKind.oom else ""
+        self.failed_rank = rank
+        return Failure(kind=kind, step=done, traceback_tail=self.rank_tail(rank) or None, message=(
+            f"rank {rank} of {self.ranks} died ({status}) after {done} step(s) without a result{cause}; the other ranks "
+            "were killed with it"))
 
     # ---- what the ranks wrote ----
     def rank_tail(self, rank: int) -> str:
@@ -378,6 +397,9 @@ class RankGroupChild(DrivenChild):
         super().note_interference()
         watch = self.out.watch
         for pid in self.rank_pids():
+            stat = proc_watch.read_stat(pid)
+            if stat is not None and stat.state in ("T", "t"):  # not this process's child: the kernel tells its parent, not us
+                _add(watch.interference, "a rank was stopped by another process")
             for tid, nice, _ in proc_watch.thread_stats(pid):
                 if nice > self.base_nice:
                     _add(watch.interference, f"a thread of a rank was moved to nice {nice} (the gate starts it at {self.base_nice})")

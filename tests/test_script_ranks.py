@@ -7,11 +7,14 @@ import os
 import re
 import statistics
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from trainbridge.graph.cli import build_app
 from trainbridge.sandbox import proc_watch
 from trainbridge.sandbox.driven_child import ChildSpec, StepPlan
 from trainbridge.sandbox.rank_group import RankGroupChild, child_for
@@ -19,7 +22,7 @@ from trainbridge.sandbox.runner import run_workload
 from trainbridge.sandbox.script_launch import parse_launch, rank_threads, torchrun_env
 from trainbridge.sandbox.script_run import launch_problem
 from trainbridge.sandbox.workload import load_workload, workload_for_launch
-from trainbridge.tests.script_mode_support import script_repo
+from trainbridge.tests.script_mode_support import ddp_repo, script_repo
 
 # --- the launch line (no processes) ---
 
@@ -78,6 +81,15 @@ def test_each_rank_writes_its_own_probe_and_delta_files_and_rank_0_keeps_the_gat
     assert not isinstance(child_for(one, reaper=False), RankGroupChild)
 
 
+def test_init_on_a_torchrun_ddp_repository_keeps_its_two_ranks(tmp_path):
+    repo = ddp_repo(tmp_path / "repo", None, commit=True)
+    done = CliRunner().invoke(build_app(), ["init", str(repo), "--yes", "--no-measure"], env={"COLUMNS": "200"})
+    assert done.exit_code == 0, done.output
+    config = tomllib.loads((repo / "trainbridge.toml").read_text(encoding="utf-8"))
+    assert config["launch"] == "torchrun --standalone --nproc_per_node 2 train.py --batch_size=16" and config["data"] == ["data/"]
+    assert parse_launch(config["launch"]).nproc == 2 and "torchrun, 2 processes" in done.output
+
+
 # --- real groups (2 ranks of the fixture, each a sandboxed launcher) ---
 
 def ranks_repo(path: Path, args: str, *, timeout_s: int = 120, steps: int = 4) -> Path:
@@ -129,9 +141,10 @@ def test_a_rank_that_raises_ends_the_group_named_with_its_traceback(tmp_path):
     assert "raise RuntimeError" in (failure.traceback_tail or "") and not _left_behind()
 
 
-def test_a_rank_killed_by_a_signal_ends_the_group_at_once(tmp_path):
+@pytest.mark.parametrize("where", ["--die_rank=1", "--die_in_collective_rank=1"])  # waiting for its command; in backward's wake
+def test_a_rank_killed_by_a_signal_ends_the_group_at_once_and_is_named_not_its_peer(tmp_path, where):
     started = time.monotonic()
-    result = run_workload(load_workload(ranks_repo(tmp_path / "repo", "--die_rank=1 --at=2", timeout_s=240)))
+    result = run_workload(load_workload(ranks_repo(tmp_path / "repo", f"{where} --at=2", timeout_s=240)))
     failure = result.failure
     assert failure is not None and "rank 1 of 2 died (signal SIGKILL)" in failure.message, failure
     assert "rank 1 iter 1 loss" in (failure.traceback_tail or "")  # rank 1's own output, not rank 0's

@@ -30,7 +30,7 @@ def test_init_then_run_lands_a_verified_rewrite_on_an_unmodified_two_rank_torchr
     init = trainbridge("init", ".", "--yes", cwd=repo, env=env)
     assert init.returncode == 0, init.stdout[-2000:] + init.stderr[-2000:]
     toml = (repo / "trainbridge.toml").read_text(encoding="utf-8")
-    assert 'launch = "torchrun --standalone --nproc_per_node 2 train.py --batch_size=4"' in toml and 'data = ["data/"]' in toml
+    assert 'launch = "torchrun --standalone --nproc_per_node 2 train.py --batch_size=16"' in toml and 'data = ["data/"]' in toml
     assert "it runs: median step" in init.stdout + init.stderr
     git(repo, "add", "trainbridge.toml")
     git(repo, "commit", "-q", "-m", "trainbridge.toml from trainbridge init")
