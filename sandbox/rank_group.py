@@ -34,7 +34,7 @@ from typing import Any
 
 from trainbridge.sandbox import proc_watch
 from trainbridge.sandbox.channel import Channel, ChannelClosed, ChannelProtocolError, ChannelTimeout
-from trainbridge.sandbox.driven_child import CHANNEL_FD, ChildSpec, DrivenChild, _ChildFailed
+from trainbridge.sandbox.driven_child import CHANNEL_FD, ChildSpec, ChildStopped, DrivenChild
 from trainbridge.sandbox.rank_supervisor import RANKS_LOG, rank_output
 from trainbridge.sandbox.results import Failure, FailureKind
 from trainbridge.sandbox.script_launch import rank_threads
@@ -50,6 +50,14 @@ def child_for(spec: ChildSpec, *, reaper: bool, claims_orphans: bool = True) -> 
     if spec.ranks > 1:
         return RankGroupChild(spec, reaper=reaper, claims_orphans=claims_orphans)
     return DrivenChild(spec, reaper=reaper, claims_orphans=claims_orphans)
+
+
+class RankFailed(Exception):
+    """A rank's own failure ended the group's plan (its closing message, a non-finite loss); `failure` says which rank."""
+
+    def __init__(self, failure: Failure | None):
+        super().__init__(failure.message if failure is not None else "a rank failed")
+        self.failure = failure
 
 
 class RankGroupChild(DrivenChild):
@@ -135,6 +143,15 @@ class RankGroupChild(DrivenChild):
                 time.sleep(0.01)
 
     # ---- the protocol, to every rank ----
+    def guarded(self, action, *args):
+        """As for one child; a rank's failure lands in the outcome too."""
+        try:
+            return super().guarded(action, *args)
+        except RankFailed as failed:
+            if failed.failure is not None:
+                self.out.failure = failed.failure
+            raise ChildStopped(self) from None
+
     def send(self, message: dict[str, Any]) -> None:
         for rank, channel in enumerate(self.channels):
             try:
@@ -189,7 +206,7 @@ class RankGroupChild(DrivenChild):
         bad = [rank for rank, value in enumerate(losses) if not math.isfinite(value)]
         if bad:
             done = len(out.inner_times_s)
-            raise _ChildFailed(Failure(kind=FailureKind.nonfinite_loss, step=done - 1, message=(
+            raise RankFailed(Failure(kind=FailureKind.nonfinite_loss, step=done - 1, message=(
                 f"step {done - 1} returned a non-finite loss on rank {bad[0]} of {self.ranks} ({losses[bad[0]]})")))
         return elapsed
 
@@ -234,7 +251,7 @@ class RankGroupChild(DrivenChild):
 
     def _gather(self, op: str, deadline: float, *, closing: bool = False) -> tuple[dict[int, dict[str, Any]], dict[int, int]]:
         """Every rank's reply to `op` (and when each was read, on the parent's clock). A rank's closing message in
-        its place (it failed) raises _ChildFailed naming the rank; `closing`: closing messages are the replies."""
+        its place (it failed) raises RankFailed naming the rank; `closing`: closing messages are the replies."""
         replies: dict[int, dict[str, Any]] = {}
         arrived: dict[int, int] = {}
         waiting = set(range(self.ranks))
@@ -260,7 +277,7 @@ class RankGroupChild(DrivenChild):
                     raise ChannelProtocolError(f"rank {rank}: {exc}") from exc
                 arrived[rank] = time.perf_counter_ns()
                 if reply.get("op") == "result" and not closing:
-                    raise _ChildFailed(self._first_cause(rank, reply, waiting - {rank}))
+                    raise RankFailed(self._first_cause(rank, reply, waiting - {rank}))
                 if reply.get("op") != op:
                     raise ChannelProtocolError(f"rank {rank}: expected the reply to {op!r}, got {str(reply)[:200]}")
                 replies[rank] = reply

@@ -54,8 +54,7 @@ def _exit_text(status: int) -> str:
 
 def run_group(ranks: int, output_dir: Path, channels: list[tuple[int, int]]) -> int:
     from trainbridge.sandbox.script_launch import rank_threads, torchrun_env
-    from trainbridge.sandbox.script_launcher import _free_port as free_port
-    from trainbridge.sandbox.script_launcher import _loopback_up as loopback_up
+    from trainbridge.sandbox.loopback import free_port, loopback_up
 
     note = loopback_up()
     if note:
