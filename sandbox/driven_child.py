@@ -60,6 +60,7 @@ class ChildSpec:
     timeout_s: float
     stdout_path: Path
     stderr_path: Path
+    ranks: int = 1  # > 1: a torchrun group of ranks (sandbox/rank_group.py), argv starts its supervisor
 
 
 @dataclass

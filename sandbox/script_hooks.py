@@ -191,6 +191,8 @@ class StepController:
         self.steps_done = 0  # completed optimizer steps (boundaries after the first)
         self.stepped: list[Any] = []  # optimizers that stepped since the last boundary, in order
         self.loss_parts: list[Any] = []
+        self.loss_values: list[Any] = []  # their values when backward was called (a script may change the tensor in place later,
+                                          # e.g. all_reduce of the loss for logging: the loss is what backward saw)
         self._loss_objects: list[Any] = []
         self.pending: _Pending | None = None
         self.probe: _Probe | None = None
@@ -209,6 +211,7 @@ class StepController:
         for tensor in (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors or ()):
             if isinstance(tensor, torch.Tensor) and tensor.numel() == 1:
                 self.loss_parts.append(tensor)
+                self.loss_values.append(tensor.detach().clone())
 
     def on_optimizer_pre(self, optimizer, args, kwargs) -> None:
         if not self.started:
@@ -266,10 +269,11 @@ class StepController:
         import torch
 
         parts, self.loss_parts = self.loss_parts, []
+        values, self.loss_values = self.loss_values, []
         self._loss_objects = parts
         if not parts:
             return math.nan
-        total = torch.stack([p.detach().float().reshape(()).cpu() for p in parts]).sum()
+        total = torch.stack([v.float().reshape(()).cpu() for v in values]).sum()
         return float(total.item())
 
     def _serve(self) -> None:

@@ -26,6 +26,9 @@ import types
 from pathlib import Path
 from typing import Any
 
+from trainbridge.sandbox.loopback import free_port as _free_port
+from trainbridge.sandbox.loopback import loopback_up as _loopback_up
+
 TRACEBACK_TAIL_CHARS = 4000
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _PATH_EVENTS = {"os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.replace": (0, 1), "os.truncate": (0,),
@@ -91,34 +94,6 @@ def script_code(spec: dict[str, Any], root: Path, plan) -> tuple[Any, types.Modu
         main.__package__ = found.parent
     main.__builtins__ = __builtins__
     return compile_source(source, str(path), plan, is_script=True), main
-
-
-def _free_port() -> int:
-    """A TCP port on 127.0.0.1 nothing listens on now (torchrun's MASTER_PORT for a world of one)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _loopback_up() -> str | None:
-    """Bring up the loopback interface of the sandbox's own network namespace (`unshare --net` leaves it down),
-    so a process group of one can form over 127.0.0.1; nothing outside the namespace becomes reachable.
-    Returns a note when it could not (then init_process_group waits until the timeout)."""
-    import fcntl
-    import socket
-    import struct
-
-    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            flags = struct.unpack("16sh", fcntl.ioctl(probe, siocgifflags, struct.pack("16sh", b"lo", 0)))[1]
-            if not flags & iff_up:
-                fcntl.ioctl(probe, siocsifflags, struct.pack("16sh", b"lo", flags | iff_up))
-    except OSError as exc:
-        return f"the loopback interface could not be brought up ({exc}): a torchrun process group may not form"
-    return None
 
 
 class ScriptNotFound(FileNotFoundError):
@@ -221,8 +196,8 @@ def execute(channel) -> None:
         if not spec.get("script"):
             sys.path.insert(1, str(root))
         sys.argv = [spec["script"] or spec["module"], *apply_argv(spec.get("args", []), request.get("overrides", {}))]
-        if spec.get("launcher") == "torchrun":  # one process (more are refused before the child starts)
-            note = _loopback_up()
+        if spec.get("launcher") == "torchrun" and "WORLD_SIZE" not in os.environ:  # one process; a rank of a group
+            note = _loopback_up()                     # has torchrun's environment from sandbox/rank_supervisor.py
             if note:
                 print(f"trainbridge: {note}", file=sys.stderr)
             os.environ.update(single_torchrun_env(_free_port()))

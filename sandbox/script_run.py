@@ -18,6 +18,7 @@ from trainbridge.sandbox.script_launch import LaunchSpec, parse_launch
 from trainbridge.sandbox.workload import Workload
 
 LAUNCHER_MODULE = "trainbridge.sandbox.script_launcher"
+RANKS_MODULE = "trainbridge.sandbox.rank_supervisor"  # torchrun with several ranks (sandbox/rank_group.py)
 OUTPUT_TAIL_CHARS = 2000
 SCRIPT_MODES = ("measure", "gate", "profile")
 PROFILE_TIMED_STEPS = 3  # unprofiled steps timed before the recorded ones, as tools/eager_profile.record_eager_ops does
@@ -66,10 +67,9 @@ def prepare(workload: Workload, *, backend: str, mode: str, tmp_dir: Path, extra
 def launch_problem(workload: Workload) -> str | None:
     """Why the workload's launch line cannot run here, before anything starts (None: it can)."""
     spec = parse_launch(workload.config.launch or "")
-    if spec.multi_process:
-        return (f"launch line {spec.line!r}: multi-process launches ({spec.launcher}) are not supported yet in script mode; run one "
-                f"process for now: launch = \"torchrun --standalone --nproc_per_node=1 {spec.script or '-m ' + (spec.module or '')} ...\" "
-                f"(torchrun's environment, a world of one) or launch = \"python {spec.script or '-m ' + (spec.module or '')} ...\"")
+    problem = spec.launch_problem()
+    if problem:
+        return problem
     if spec.script is not None and not (workload.root / spec.script).is_file():
         near = sorted(p.name for p in workload.root.glob("*.py"))[:8]
         return (f"script {spec.script!r} of launch line {spec.line!r} not found in {workload.root}"
