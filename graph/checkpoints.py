@@ -108,6 +108,19 @@ def database_run_lock(url: str | None, run_id: str) -> Iterator[None]:
         connection.close()  # the session's advisory lock goes with it
 
 
+def database_runs(url: str) -> list[str]:
+    """Run ids checkpointed in the Postgres database at `url` (its threads), for `trainbridge status`."""
+    import psycopg
+
+    try:
+        with psycopg.connect(url, autocommit=True) as connection:
+            exists = connection.execute("SELECT to_regclass('checkpoints') IS NOT NULL").fetchone()[0]
+            rows = connection.execute("SELECT DISTINCT thread_id FROM checkpoints").fetchall() if exists else []
+    except psycopg.Error as exc:
+        raise CheckpointError(f"cannot read the checkpoint database {redacted(url)}: {_first_line(exc)}") from None
+    return sorted(row[0] for row in rows)
+
+
 def redacted(url: str) -> str:
     parts = urlsplit(url)
     return url.replace(f":{parts.password}@", ":***@") if parts.password else url

@@ -148,11 +148,20 @@ def status(run_id: Optional[str] = typer.Argument(None, callback=valid_run_id, h
     from trainbridge.graph.runs import RunError, run_status, summary_line
     from trainbridge.graph.state import runs_root
 
+    url = _checkpoint_url(checkpoint)
     if run_id is None:
         runs = sorted(p.name for p in runs_root().glob("*") if (p / "run.json").is_file())
+        if url is not None:  # and the runs checkpointed in the team's database, from wherever they started
+            from trainbridge.graph.checkpoints import CheckpointError, database_runs
+
+            try:
+                runs = sorted(set(runs) | set(database_runs(url)))
+            except CheckpointError as exc:
+                _error(str(exc))
+                raise typer.Exit(2) from None
         for name in runs:
             try:
-                info = served_run_status(name) or run_status(name)
+                info = served_run_status(name, url) or run_status(name, checkpoint=url)
                 state = "waiting for review" if info["waiting_for_review"] else ("finished" if info["finished"] else "stopped/running")
                 print(f"{name}: {state}; {summary_line(info['state'])}")
             except Exception as exc:  # one broken run must not hide the others
@@ -160,7 +169,7 @@ def status(run_id: Optional[str] = typer.Argument(None, callback=valid_run_id, h
         if not runs:
             print(f"no runs under {runs_root()}")
         return
-    info = _status_of(run_id, _checkpoint_url(checkpoint))
+    info = _status_of(run_id, url)
     state = info["state"]
     baseline = state.get("baseline_step_s")
     accepted = state.get("accepted") or []

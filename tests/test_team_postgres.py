@@ -96,6 +96,9 @@ def test_killed_run_resumes_from_another_home_through_postgres(postgres, tmp_pat
     done = subprocess.run([*cli_argv(), "status", "pg-crash", "--checkpoint", postgres], env=child_env(home_b),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "run pg-crash: finished" in done.stdout, done.stdout + done.stderr
+    listed = subprocess.run([*cli_argv(), "status", "--checkpoint", postgres], env=child_env(tmp_path / "home-c"),
+                            capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0 and "pg-crash: finished" in listed.stdout, listed.stdout + listed.stderr
 
     from trainbridge.graph.runs import run_status
 
