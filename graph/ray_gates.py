@@ -109,22 +109,27 @@ def candidate_bundle(repo_root: Path, job: GateJob) -> bytes:
 def ray_gate(job_json: str, bundle: bytes) -> str:
     """The Ray task: check out the job's two commits from the bundle, run the gate pinned to a slot of
     this host, return the verdict as JSON."""
-    from trainbridge.tools.git_ops import run_git
+    import json
 
     job = GateJob.model_validate_json(job_json)
     with tempfile.TemporaryDirectory(prefix="trainbridge-ray-gate-") as folder:
-        root = Path(folder)
-        (root / "candidate.bundle").write_bytes(bundle)
-        run_git(root, "clone", "-q", "--no-checkout", str(root / "candidate.bundle"), str(root / "repo"))
-        for name, sha in (("baseline", job.baseline_sha), ("candidate", job.candidate_sha)):
-            run_git(root / "repo", "worktree", "add", "-q", "--detach", str(root / name), sha)
-            if run_git(root / name, "rev-parse", "HEAD") != sha:
-                raise GateJobError(f"the bundle's {name} is not {sha}")
-        local = job.model_copy(update={"baseline_root": str(root / "baseline"), "candidate_root": str(root / "candidate")})
+        local = checkout_from_bundle(job, bundle, Path(folder))
         with held_slot(job.target) as slot:
-            import json
-
             return json.dumps(judge_on_slot(local, slot))
+
+
+def checkout_from_bundle(job: GateJob, bundle: bytes, root: Path) -> GateJob:
+    """Worktrees of the job's baseline and candidate commits, from the bundle, under `root`; the job
+    with its roots pointing at them. The commits are found by SHA, so they are the ones the run made."""
+    from trainbridge.tools.git_ops import run_git
+
+    (root / "candidate.bundle").write_bytes(bundle)
+    run_git(root, "clone", "-q", "--no-checkout", str(root / "candidate.bundle"), str(root / "repo"))
+    for name, sha in (("baseline", job.baseline_sha), ("candidate", job.candidate_sha)):
+        run_git(root / "repo", "worktree", "add", "-q", "--detach", str(root / name), sha)
+        if run_git(root / name, "rev-parse", "HEAD") != sha:
+            raise GateJobError(f"the bundle's {name} is not {sha}")
+    return job.model_copy(update={"baseline_root": str(root / "baseline"), "candidate_root": str(root / "candidate")})
 
 
 @contextmanager
