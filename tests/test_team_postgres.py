@@ -45,6 +45,24 @@ def test_checkpoint_urls_are_postgres_without_a_password():
         RunConfig(repo="/r", run_id="r1", checkpoint="postgres://tb:pw@h/db")
 
 
+def test_a_run_found_nowhere_says_how_to_reach_its_database(tmp_path, monkeypatch):
+    from trainbridge.graph.runs import RunError, load_config
+
+    monkeypatch.delenv("TRAINBRIDGE_CHECKPOINT", raising=False)
+    with pytest.raises(RunError, match="--checkpoint postgresql://"):
+        load_config("elsewhere", root=tmp_path / "runs")
+
+
+def test_a_served_run_keeps_the_checkpoints_of_its_server(tmp_path, monkeypatch):
+    from trainbridge.graph.server import ServedRunError, served_run
+
+    monkeypatch.setenv("TRAINBRIDGE_HOME", str(tmp_path / "home"))
+    settings = {"repo": str(tmp_path), "run_id": "served", "checkpoint": "postgresql://tb@db-host/runs"}
+    with pytest.raises(ServedRunError, match="POSTGRES_URI"):
+        served_run({"run_id": "served"}, {"configurable": {"thread_id": "t1"}}, {"run": settings}, None)
+    assert not (tmp_path / "home" / "runs" / "served").exists()
+
+
 @needs_postgres
 def test_the_run_lock_in_the_database_holds_across_processes_and_dies_with_its_holder(postgres):
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from trainbridge.graph.checkpoints import database_run_lock\n"

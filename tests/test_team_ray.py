@@ -9,11 +9,13 @@ a local Ray cluster started by the test, one of whose workers is killed mid-gate
   --ray auto` judges its candidates as Ray tasks, two at a time; the Ray worker running the first
   gate is SIGKILLed while the gate times; Ray runs that gate again in another worker and the run
   ends with this workload's decisions (the GELU rewrite accepted, the planted RMSNorm one rejected on
-  numerics), each verdict and outcome once, one commit per accepted candidate.
+  numerics), each verdict and outcome once, one commit per accepted candidate; its checkpoints are in
+  a Postgres started by the test (where the server binaries are installed), read back from elsewhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,7 +34,7 @@ from trainbridge.graph.ray_gates import CPU_SLOT_RESOURCE, candidate_bundle, che
 from trainbridge.graph.state import RunPaths
 from trainbridge.tests.loop_checks import LLM_ENV, assert_clean_repository, harness_children, run_commits, run_outcomes
 from trainbridge.tests.loop_fixtures import GOOD_RECIPE, WRONG_RECIPE, git, loop_config, make_loop_repo
-from trainbridge.tests.team_support import outcome_view
+from trainbridge.tests.team_support import outcome_view, postgres_bin, postgres_server
 
 ray = pytest.importorskip("ray", reason="Ray is part of '.[dev]' (pip install -e '.[team]')")
 
@@ -139,13 +141,24 @@ def _parent(pid: int) -> int | None:
 
 @pytest.mark.slow
 def test_gates_on_a_local_ray_cluster_survive_a_killed_worker(tmp_path, monkeypatch):
-    from trainbridge.graph.runs import start_run
-
     monkeypatch.setenv("TRAINBRIDGE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a loopback cluster of this test: no token written to ~/.ray
     repo = make_loop_repo(tmp_path / "repo")
-    config = loop_config(repo, "on-ray", tmp_path, devices="cpu:2", ray="auto")
+    with contextlib.ExitStack() as stack:  # the team's setting: checkpoints in Postgres too, where its server is installed
+        checkpoint = stack.enter_context(postgres_server()) if postgres_bin() is not None else None
+        _run_on_ray(repo, tmp_path, checkpoint)
+        if checkpoint is not None:  # another process reads the same run from the database
+            from trainbridge.graph.runs import run_status
+
+            assert run_status("on-ray", root=tmp_path / "elsewhere", checkpoint=checkpoint)["finished"]
+            assert not list(tmp_path.rglob("checkpoints.sqlite")), "a Postgres run wrote a SQLite checkpoint"
+
+
+def _run_on_ray(repo: Path, tmp_path: Path, checkpoint: str | None) -> dict:
+    from trainbridge.graph.runs import start_run
+
+    config = loop_config(repo, "on-ray", tmp_path, devices="cpu:2", ray="auto", checkpoint=checkpoint)
     ray_dir = Path("/tmp") / f"tb-ray-{os.getpid()}"  # Ray wants a short path for its sockets
     ray.init(num_cpus=2, resources={CPU_SLOT_RESOURCE: 2}, include_dashboard=False, log_to_driver=False, _temp_dir=str(ray_dir))
     watcher = GateWatcher()
@@ -172,3 +185,4 @@ def test_gates_on_a_local_ray_cluster_survive_a_killed_worker(tmp_path, monkeypa
     commits = run_commits(repo, state["base_sha"], "trainbridge/on-ray")
     assert [c["sha"] for c in commits] == [a["sha"] for a in state["accepted"]] and len(commits) == 1
     assert_clean_repository(repo, "on-ray")
+    return state
