@@ -75,9 +75,54 @@ def judge_on_slot(job: GateJob, slot: Slot, *, timeout_s: float | None = None, e
         done = subprocess.run([*argv, str(request), str(answer)], env=env,
                               capture_output=True, text=True, timeout=timeout_s, preexec_fn=_pinned(cores))
         if done.returncode != 0 or not answer.is_file():
+            end_orphans()
             raise GateJobError(f"the gate process for {job.candidate.get('name')} on {slot.label} exited {done.returncode}: "
                                f"{done.stderr.strip()[-2000:]}")
         return read_verdict(answer.read_text(encoding="utf-8"))
+
+
+def end_orphans() -> list[int]:
+    """End the sandbox children of gate processes that died (a killed run, a lost Ray worker): they
+    run in sessions of their own, so their gate's death does not reach them, and they would hold the
+    slot's cores for a while. Found by their output files, in scratch folders whose owner is gone."""
+    import signal
+
+    from trainbridge.sandbox.scratch import OWNER_FILE
+
+    dead = []
+    for folder in Path(tempfile.gettempdir()).glob("trainbridge-run-*"):
+        try:
+            owner = int((folder / OWNER_FILE).read_text(encoding="utf-8").strip())
+        except (OSError, ValueError):
+            continue
+        if not _alive(owner):
+            dead.append(f"{folder}{os.sep}")
+    ended = []
+    for entry in Path("/proc").iterdir() if dead else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            output = os.readlink(entry / "fd" / "1")
+            argv = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"trainbridge.sandbox.harness" in argv and output.startswith(tuple(dead)):
+            try:
+                os.killpg(int(entry.name), signal.SIGKILL)  # it leads its own process group
+                ended.append(int(entry.name))
+            except OSError:
+                pass
+    return ended
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _pinned(cores: set[int]):

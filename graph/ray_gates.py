@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from trainbridge.graph.devices import Slot, host_slots
-from trainbridge.graph.gate_jobs import GateJob, GateJobError, judge_on_slot, read_verdict
+from trainbridge.graph.gate_jobs import GateJob, GateJobError, end_orphans, judge_on_slot, read_verdict
 
 CPU_SLOT_RESOURCE = "trainbridge_cpu_slot"
 DEVICE_RESOURCE = {"cpu": CPU_SLOT_RESOURCE, "npu": "NPU", "cuda": "GPU"}
@@ -112,6 +112,7 @@ def ray_gate(job_json: str, bundle: bytes) -> str:
     import json
 
     job = GateJob.model_validate_json(job_json)
+    end_orphans()  # a gate of this host whose worker was lost leaves its sandbox children on a slot's cores
     with tempfile.TemporaryDirectory(prefix="trainbridge-ray-gate-") as folder:
         local = checkout_from_bundle(job, bundle, Path(folder))
         with held_slot(job.target) as slot:

@@ -177,7 +177,8 @@ def _run_on_ray(repo: Path, tmp_path: Path, checkpoint: str | None) -> dict:
     assert list(watcher.gates.values()).count(killed_name) >= 2, watcher.gates
     assert [v["candidate"] for v in state["verdicts"]].count(killed_name) == 1
     assert outcome_view(state["verdicts"]) == sorted([("gelu", GOOD_RECIPE, True, "accepted"),
-                                                      ("rmsnorm", WRONG_RECIPE, False, "numerics_mismatch")])
+                                                      ("rmsnorm", WRONG_RECIPE, False, "numerics_mismatch")]), \
+        [(v["candidate"], v["reason"], v["message"]) for v in state["verdicts"]]
     batches = [t for t in state["phase_times"] if t["node"] == "batch"]
     assert batches and state["candidates_tried"] == 2
     outcomes = run_outcomes(config.kb_dir, "on-ray")
