@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from trainbridge.agents.coder.candidate import Candidate
 from trainbridge.tools.git_ops import run_git, run_git_status
@@ -51,7 +51,3 @@ def carry_forward(workspace, candidate: Candidate, recode: Callable[[], Candidat
     if remade is not None:
         return remade, "recoded"
     return None, "its patch does not apply on the new run head and its recipe no longer fits there"
-
-
-def stale_note(candidate: Candidate, how: str, head: str) -> dict[str, Any]:
-    return {"candidate": candidate.name, "how": how, "onto": head}
