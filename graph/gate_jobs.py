@@ -68,7 +68,9 @@ def judge_on_slot(job: GateJob, slot: Slot, *, timeout_s: float | None = None, e
     takes JOB.json VERDICT.json (default: this package's gate worker)."""
     cores = set(slot.cores)
     env = {**os.environ, **slot.env(), **(extra_env or {})}
-    with tempfile.TemporaryDirectory(prefix=f"trainbridge-gate-{slot.index}-") as folder:
+    from trainbridge.sandbox.scratch import scratch_dir
+
+    with scratch_dir(f"trainbridge-gate-slot{slot.index}-") as folder:  # its owner's pid: a later sweep removes it
         request, answer = Path(folder) / "job.json", Path(folder) / "verdict.json"
         request.write_text(job.model_dump_json(), encoding="utf-8")
         argv = worker or [sys.executable, "-m", WORKER_MODULE]

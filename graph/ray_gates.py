@@ -111,9 +111,12 @@ def ray_gate(job_json: str, bundle: bytes) -> str:
     this host, return the verdict as JSON."""
     import json
 
+    from trainbridge.sandbox.scratch import scratch_dir, sweep_stale
+
     job = GateJob.model_validate_json(job_json)
     end_orphans()  # a gate of this host whose worker was lost leaves its sandbox children on a slot's cores
-    with tempfile.TemporaryDirectory(prefix="trainbridge-ray-gate-") as folder:
+    sweep_stale()  # and its folders
+    with scratch_dir("trainbridge-gate-ray-") as folder:
         local = checkout_from_bundle(job, bundle, Path(folder))
         with held_slot(job.target) as slot:
             return json.dumps(judge_on_slot(local, slot))

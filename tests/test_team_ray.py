@@ -32,6 +32,7 @@ from trainbridge.graph.context import RunContext
 from trainbridge.graph.gate_jobs import GateJob
 from trainbridge.graph.ray_gates import CPU_SLOT_RESOURCE, candidate_bundle, checkout_from_bundle, task_options
 from trainbridge.graph.state import RunPaths
+from trainbridge.sandbox.scratch import sweep_stale
 from trainbridge.tests.loop_checks import LLM_ENV, assert_clean_repository, harness_children, run_commits, run_outcomes
 from trainbridge.tests.loop_fixtures import GOOD_RECIPE, WRONG_RECIPE, git, loop_config, make_loop_repo
 from trainbridge.tests.team_support import outcome_view, postgres_bin, postgres_server
@@ -169,6 +170,7 @@ def _run_on_ray(repo: Path, tmp_path: Path, checkpoint: str | None) -> dict:
         watcher.reap()
         ray.shutdown()
         shutil.rmtree(ray_dir, ignore_errors=True)
+        sweep_stale()  # the killed worker's gate folders (their owner is gone), as the next run would
     state = outcome.state
     assert outcome.finished, state.get("node")
     assert watcher.killed is not None, f"no Ray worker was killed mid-gate (gates seen: {watcher.gates})"
