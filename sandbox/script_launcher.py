@@ -176,9 +176,15 @@ def execute(channel) -> None:
     from trainbridge.sandbox.script_launch import single_torchrun_env
 
     request = channel.recv()
-    state: dict[str, Any] = {"guard": None, "controller": None, "seeds": None, "backend": None}
+    state: dict[str, Any] = {"guard": None, "controller": None, "seeds": None, "backend": None, "capture": None}
 
     def close(failure: dict | None) -> None:
+        evidence: dict[str, Any] = {}
+        if state["capture"] is not None and failure is None:  # harness mode "capture": the evidence folder is written now
+            try:
+                evidence = state["capture"].finish()
+            except Exception as exc:
+                failure = failure_record("crashed", f"writing the torch.compile evidence failed: {type(exc).__name__}: {exc}", exc)
         result: dict[str, Any] = {"op": "result", "versions": {}, "failure": failure}
         try:
             import torch
@@ -191,6 +197,8 @@ def execute(channel) -> None:
             controller, seeds = state["controller"], state["seeds"]
             if controller is not None and failure is None and controller.recorder is not None:
                 result["extra"] = controller.eager_ops()
+            if evidence:
+                result["extra"] = {**(result.get("extra") or {}), **evidence}
             result["script"] = {"steps_done": controller.steps_done if controller else 0,
                                 "optimizers_per_step": controller.optimizer_count if controller else 0,
                                 "compiled": controller.compiled if controller else [],
@@ -228,9 +236,13 @@ def execute(channel) -> None:
             os.environ.update(single_torchrun_env(_free_port()))
         seeds = state["seeds"] = SeedControl(int(request["seed"])).install()
         seeds.seed_everything()
+        if request.get("capture"):  # the torch.compile reference (sandbox/script_capture.py): open before the script runs
+            from trainbridge.sandbox.script_capture import ScriptCapture
+
+            state["capture"] = ScriptCapture(Path(request["evidence_dir"]), request["capture"], root).begin()
         controller = state["controller"] = StepController(channel, backend, check_ready=plan.unmatched, close=close,
                                                      compile_modules=bool(request.get("compile")), profile=request.get("profile"),
-                                                     repo_root=Path(request["root"]))
+                                                     repo_root=Path(request["root"]), capture=state["capture"])
         install_step_hooks(controller)
         state["guard"] = Guard().capture()  # after our own wrappers: what the script replaces shows in the result
         code, main = script_code(spec, root, plan)

@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
+from trainbridge.sandbox.script_capture import capture_plan  # harness mode "capture": the runner asks for its steps here
 from trainbridge.sandbox.script_files import DataPathError, RunDir, make_run_dir, snapshot
 from trainbridge.sandbox.script_launch import LaunchSpec, parse_launch
 from trainbridge.sandbox.workload import Workload
 
 LAUNCHER_MODULE = "trainbridge.sandbox.script_launcher"
 OUTPUT_TAIL_CHARS = 2000
-SCRIPT_MODES = ("measure", "gate", "profile")
+SCRIPT_MODES = ("measure", "gate", "profile", "capture")
 PROFILE_TIMED_STEPS = 3  # unprofiled steps timed before the recorded ones, as tools/eager_profile.record_eager_ops does
 
 
@@ -50,9 +51,9 @@ def prepare(workload: Workload, *, backend: str, mode: str, tmp_dir: Path, extra
     if problem:
         return Failure(kind=FailureKind.bad_workload, message=problem)
     if mode not in SCRIPT_MODES:
-        return Failure(kind=FailureKind.bad_workload, message=f"harness mode {mode!r} is not available in script mode yet; script "
-                       "mode measures, gates and profiles the eager step. For the torch.compile reference, run the analysis "
-                       "with --no-reference, or add an entry = \"module:function\" to trainbridge.toml (precise mode)")
+        return Failure(kind=FailureKind.bad_workload, message=f"harness mode {mode!r} is not available in script mode; script "
+                       f"mode runs {', '.join(SCRIPT_MODES)}. Add an entry = \"module:function\" to trainbridge.toml (precise "
+                       "mode) for the others")
     try:
         run_dir = make_run_dir(workload.root, config.data, tmp_dir / "cwd")
     except DataPathError as exc:
