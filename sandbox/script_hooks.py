@@ -198,8 +198,9 @@ class StepController:
 
     def __init__(self, channel, backend, *, check_ready: Callable[[], list[str]], close: Callable[[dict | None], None],
                  compile_modules: bool = False, profile: dict[str, Any] | None = None, repo_root: Path | None = None,
-                 capture: Any = None):
+                 capture: Any = None, loss_sources: Any = None):
         self.channel, self.backend = channel, backend
+        self.loss_sources = loss_sources  # sandbox/script_loss.LossSources: backward, unscaled, or the printed loss
         self.capture = capture  # harness mode "capture": sandbox/script_capture.ScriptCapture
         self.profile, self.repo_root = profile, repo_root  # profile: {"start": step command number, "steps": how many}
         self.recorder: Any = None
@@ -292,6 +293,8 @@ class StepController:
 
         parts, self.loss_parts = self.loss_parts, []
         self._loss_objects = parts
+        if self.loss_sources is not None:
+            return self.loss_sources.step_loss(parts)
         if not parts:
             return math.nan
         total = torch.stack([p.detach().float().reshape(()).cpu() for p in parts]).sum()
