@@ -101,3 +101,16 @@ def test_the_gate_judges_an_unseeded_program_with_the_checks_that_still_apply_an
     rejected = run_gate(*broken, rounds=2, rng=random.Random(3), determinism=report)
     assert rejected.reason == VerdictReason.numerics_mismatch, rejected.message
     assert "gradient norm" in rejected.message
+
+
+def test_the_runs_report_reaches_the_gate_from_the_state_the_prepare_node_left(monkeypatch, tmp_path):
+    from trainbridge.agents.profiler import judge
+
+    seen: dict = {}
+    monkeypatch.setattr(judge, "run_gate", lambda *args, **kwargs: seen.update(kwargs) or "verdict")
+    repo = script_repo(tmp_path / "repo", "unseeded_order.py", UNSEEDED)
+    stored = NONDETERMINISTIC.model_dump(mode="json")  # as the checkpointed state holds it
+    assert judge.judge_candidate(repo, repo, target="cpu", rounds=1, max_rounds=1, min_gain=0.01, determinism=stored) == "verdict"
+    assert seen["determinism"] == NONDETERMINISTIC
+    judge.judge_candidate(repo, repo, target="cpu", rounds=1, max_rounds=1, min_gain=0.01)
+    assert seen["determinism"] is None  # entry mode, or a run checkpointed before the check: the full numerics

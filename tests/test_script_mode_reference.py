@@ -120,7 +120,8 @@ def test_a_script_that_compiles_its_model_itself_keeps_its_own_compile_as_the_re
     from trainbridge.sandbox.runner import run_workload
     from trainbridge.tools.inductor_parser import parse_evidence_dir
 
-    repo = nanogpt_repo(tmp_path / "repo", NANO.format(compile=True).replace("timeout_s = 120", "timeout_s = 600"))
+    repo = script_repo(tmp_path / "repo", "compiles_itself.py", 'launch = "python train.py --compile"\nwarmup_steps = 1\nsteps = 2\n'
+                       'timeout_s = 600\n')
     evidence = tmp_path / "evidence"
     result = run_workload(load_workload(repo).with_overrides(steps=2, warmup_steps=0), mode="capture",
                           extra_request={"evidence_dir": str(evidence), "timed_steps": 2})
@@ -128,8 +129,8 @@ def test_a_script_that_compiles_its_model_itself_keeps_its_own_compile_as_the_re
     assert result.extra["script_compiled"] and result.extra["compiled_modules"] == []
     assert "compiling the model..." in result.stdout_tail  # the script's --compile branch ran
     manifest = json.loads((evidence / "manifest.json").read_text())
-    assert any("compiles its model itself" in note for note in manifest["notes"])
+    assert any("compiles its model itself" in note for note in manifest["notes"]) and manifest["cold_compile_step_s"] is None
     assert not (evidence / "eager_op_counts.json").exists()  # its step is not eager: no N to count
     parsed = parse_evidence_dir(evidence, repo)
-    assert parsed.summary.kernels_per_step.get("forward", 0) > 0
-    assert {span.file for group in parsed.groups for span in group.spans} == {"model.py"}
+    assert parsed.summary.kernels_per_step.get("forward", 0) > 0 and parsed.summary.kernels_per_step.get("backward", 0) > 0
+    assert {span.file for group in parsed.groups for span in group.spans} == {"train.py"}  # the script's own Block
