@@ -54,8 +54,23 @@ def prepare(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         if result.failure is not None:
             raise RunStopped(f"the unmodified program fails in the sandbox ({result.failure.kind}): {result.failure.message}")
         update["baseline_step_s"] = result.median_step_s()
+        if result.mode == "script":  # once per run: is the program repeatable under one seed? (the gate needs to know)
+            update["determinism"] = _determinism(ctx.config.workload(workspace.worktree), result, ctx)
         update[PARTS_KEY] = {"baseline": round(time.monotonic() - started, 3)}
     return update
+
+
+def _determinism(workload: Workload, measured, ctx: RunContext) -> dict[str, Any]:
+    """The baseline run once more with the same seed, its losses compared with `measured`'s."""
+    from trainbridge.sandbox.script_determinism import check_repeatable
+
+    try:
+        report = check_repeatable(workload, backend=ctx.config.target, first=measured)
+    except RuntimeError as exc:
+        raise RunStopped(f"the unmodified program fails in the sandbox on its second run: {exc}") from None
+    if not report.repeatable:
+        ctx.say(f"{report.message}; the gate judges it with the numerics checks that still apply")
+    return report.model_dump(mode="json")
 
 
 def _measure(workload: Workload, ctx: RunContext):
@@ -206,7 +221,8 @@ def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     ctx.say(f"gate: {candidate.name} ({f'{ctx.config.gate_rounds} interleaved rounds' if measurable else 'numerics only: no NPU here'})")
     verdict = judge_candidate(workspace.worktree, Path(candidate.worktree), target=ctx.config.target,
                               recipe_numerics=recipe.numerics if recipe is not None else None, rounds=ctx.config.gate_rounds,
-                              max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain, launch=ctx.config.launch)
+                              max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain, launch=ctx.config.launch,
+                              determinism=state.get("determinism"))
     return {"node": "profiler", "verdict": verdict.model_dump(mode="json"), "candidates_tried": (state.get("candidates_tried") or 0) + 1,
             PARTS_KEY: dict(verdict.phase_seconds)}
 

@@ -108,6 +108,7 @@ class RunState(TypedDict, total=False):
     started_at: float
     ported: dict[str, Any] | None  # the NPU port commit (target npu), made before the baseline
     baseline_step_s: float | None
+    determinism: dict | None  # script mode: sandbox/script_determinism.DeterminismReport of the unmodified program (prepare)
     reference_step_s: float | None  # torch.compile of the original (the line the report draws)
     eager_ops_before: int | None
     eager_ops_now: int | None

@@ -221,6 +221,8 @@ def _script_child(workload: Workload, target: Backend, mode: str, plan: StepPlan
         raise ValueError("mode 'gate' needs a StepPlan (its batch indices, probe and parameter deltas)")
     if mode == "profile":
         plan, setup.request["profile"] = script_run.profile_plan(config.warmup_steps, config.steps)
+    if mode == "capture":  # the torch.compile reference over the script's own steps (sandbox/script_capture.py)
+        plan, setup.request["capture"] = script_run.capture_plan(config.steps, int(setup.request.get("timed_steps", 0)))
     plan = plan or StepPlan.sequential(config.warmup_steps, config.steps)
     base.warmup_steps = len(plan.warmup)
     ranks = setup.spec.nproc  # torchrun --nproc_per_node N > 1: the rank supervisor starts N launchers (sandbox/rank_group.py)

@@ -140,6 +140,17 @@ def _from_subprocess(exc: BaseException) -> bool:
     return False
 
 
+def _loss_sources(request: dict[str, Any]):
+    """Each step's loss: backward's scalars (GradScaler's scaling undone), or the printed loss (sandbox/script_loss.py)."""
+    from trainbridge.sandbox.script_loss import LoggedLoss, LossSources, install_scaler_hook
+
+    pattern = request.get("loss_pattern")
+    logged = LoggedLoss(pattern, preferred=bool(request.get("loss_pattern_preferred"))).install() if pattern else None
+    sources = LossSources(logged)
+    install_scaler_hook(sources)
+    return sources
+
+
 def execute(channel) -> None:
     """Serve one run (see the module doc); ends the process itself after the closing result."""
     from trainbridge.sandbox.backends import Backend
@@ -151,9 +162,15 @@ def execute(channel) -> None:
     from trainbridge.sandbox.script_launch import single_torchrun_env
 
     request = channel.recv()
-    state: dict[str, Any] = {"guard": None, "controller": None, "seeds": None, "backend": None}
+    state: dict[str, Any] = {"guard": None, "controller": None, "seeds": None, "backend": None, "capture": None}
 
     def close(failure: dict | None) -> None:
+        evidence: dict[str, Any] = {}
+        if state["capture"] is not None and failure is None:  # harness mode "capture": the evidence folder is written now
+            try:
+                evidence = state["capture"].finish()
+            except Exception as exc:
+                failure = failure_record("crashed", f"writing the torch.compile evidence failed: {type(exc).__name__}: {exc}", exc)
         result: dict[str, Any] = {"op": "result", "versions": {}, "failure": failure}
         try:
             import torch
@@ -166,9 +183,12 @@ def execute(channel) -> None:
             controller, seeds = state["controller"], state["seeds"]
             if controller is not None and failure is None and controller.recorder is not None:
                 result["extra"] = controller.eager_ops()
+            if evidence:
+                result["extra"] = {**(result.get("extra") or {}), **evidence}
             result["script"] = {"steps_done": controller.steps_done if controller else 0,
                                 "optimizers_per_step": controller.optimizer_count if controller else 0,
                                 "compiled": controller.compiled if controller else [],
+                                "loss_sources": controller.loss_sources.summary() if controller and controller.loss_sources else {},
                                 "seed_calls": seeds.calls[:50] if seeds else [], "argv": list(sys.argv)}
         except Exception as exc:  # reporting must not hide the run's own outcome
             result.setdefault("notes", []).append(f"could not read versions, the guard or the profile: {type(exc).__name__}: {exc}")
@@ -203,9 +223,14 @@ def execute(channel) -> None:
             os.environ.update(single_torchrun_env(_free_port()))
         seeds = state["seeds"] = SeedControl(int(request["seed"])).install()
         seeds.seed_everything()
+        if request.get("capture"):  # the torch.compile reference (sandbox/script_capture.py): open before the script runs
+            from trainbridge.sandbox.script_capture import ScriptCapture
+
+            state["capture"] = ScriptCapture(Path(request["evidence_dir"]), request["capture"], root).begin()
         controller = state["controller"] = StepController(channel, backend, check_ready=plan.unmatched, close=close,
                                                      compile_modules=bool(request.get("compile")), profile=request.get("profile"),
-                                                     repo_root=Path(request["root"]))
+                                                     repo_root=Path(request["root"]), capture=state["capture"],
+                                                     loss_sources=_loss_sources(request))
         install_step_hooks(controller)
         state["guard"] = Guard().capture()  # after our own wrappers: what the script replaces shows in the result
         code, main = script_code(spec, root, plan)

@@ -182,9 +182,12 @@ def run_gate(
     on_progress: GateProgress | None = None,
     work_dir: Path | None = None,
     pairing: Pairing | None = None,
+    determinism=None,
 ) -> Verdict:
     """Judge `candidate` against `baseline` (see the module doc). `rng` only for reproducible tests:
-    by default seeds and batch indices come from the operating system's entropy."""
+    by default seeds and batch indices come from the operating system's entropy. `determinism`: the run's
+    sandbox/script_determinism.DeterminismReport; when the program is not repeatable, the numerics are the
+    checks two runs of it still share (agents/profiler/nondeterministic.py) and the verdict says so."""
     max_rounds = rounds if max_rounds is None else max_rounds
     if rounds < 1 or max_rounds < rounds or numerics_steps < 1 or batch_index_range < numerics_steps:
         raise GateError(f"need rounds >= 1 (got {rounds}), max_rounds >= rounds (got {max_rounds}), numerics_steps >= 1 (got {numerics_steps}) and "
@@ -212,6 +215,7 @@ def run_gate(
     cand_rounds: list[list[float]] = []
     orders: list[str] = []
     state: dict = {"pairing": pairing}
+    nondeterministic = determinism is not None and not determinism.repeatable
 
     def verdict(reason: VerdictReason, message: str, phase: str, **fields) -> Verdict:
         now = time.monotonic()
@@ -264,10 +268,16 @@ def run_gate(
         base, cand = sides["baseline"], sides["candidate"]
         state.update(baseline_versions=base.run.versions, candidate_versions=cand.run.versions)
         found = judge_conduct(base, cand, baseline.config.threads, where)
-        if index == 0 and not found:
+        if index == 0 and not found and not nondeterministic:  # drift of a nondeterministic program is its data order
             state["drift"] = measure_drift(baseline, base, inputs, tolerance, backend=backend, extra_env=extra_env, work_dir=work_dir)
             tolerance = state["drift"].tolerance
-        numerics = compare_numerics(base.report, cand.report, tolerance, baseline_grads=base.grads, candidate_grads=cand.grads)
+        if nondeterministic:
+            from trainbridge.agents.profiler.nondeterministic import compare_structure
+
+            numerics = compare_structure(base.report, cand.report, tolerance, determinism, baseline_grads=base.grads or {},
+                                         candidate_grads=cand.grads or {})
+        else:
+            numerics = compare_numerics(base.report, cand.report, tolerance, baseline_grads=base.grads, candidate_grads=cand.grads)
         if index == 0:
             state["numerics"] = numerics
         if found:
@@ -275,7 +285,7 @@ def run_gate(
         if not numerics.passed:
             message = numerics.message if index == 0 else f"{where}: {numerics.message}"
             return verdict(VerdictReason.numerics_mismatch, message, phase, **({} if index == 0 else {"numerics": numerics}))
-        found = judge_timed(index, base, cand, tolerance)
+        found = judge_timed(index, base, cand, tolerance, nondeterministic=nondeterministic)
         if found:
             return verdict(VerdictReason(found[0].kind.value), _findings_message(found, numerics), phase, findings=found)
         if index == 0:
@@ -351,10 +361,14 @@ def judge_conduct(base: SideRun, cand: SideRun, threads: int, where: str) -> lis
     return findings or check_probes(base.report, cand.report)
 
 
-def judge_timed(index: int, base: SideRun, cand: SideRun, tolerance: NumericsTolerance) -> list[Finding]:
-    """The timed steps against the baseline's: every loss, and each parameter's change (empty: clean)."""
+def judge_timed(index: int, base: SideRun, cand: SideRun, tolerance: NumericsTolerance, *, nondeterministic: bool = False) -> list[Finding]:
+    """The timed steps against the baseline's: every loss, and each parameter's change (empty: clean). For a
+    nondeterministic program only which parameters change is compared (their batches differ)."""
     timed_base = [*base.run.losses, *base.run.cooldown_losses]
     timed_cand = [*cand.run.losses, *cand.run.cooldown_losses]
+    if nondeterministic:
+        return check_timed_deltas(index, base.unchanged or [], cand.unchanged or [], base.deltas or {}, cand.deltas or {},
+                                  -1.0, float("inf"))
     findings = check_timed_losses(index, timed_base, timed_cand, tolerance.timed_loss_rtol, tolerance.loss_atol)
     return findings or check_timed_deltas(index, base.unchanged or [], cand.unchanged or [], base.deltas or {}, cand.deltas or {},
                                           tolerance.timed_delta_cosine_min, tolerance.timed_delta_norm_rtol)
