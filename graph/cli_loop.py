@@ -145,7 +145,7 @@ def resume(run_id: str = typer.Argument(..., callback=valid_run_id, help="The ru
 def status(run_id: Optional[str] = typer.Argument(None, callback=valid_run_id, help="A run (default: list all runs)."),
            checkpoint: Optional[str] = _checkpoint_option()) -> None:
     """Where a run stands: current node, intents done/left, candidates, accepted speedup so far (a served run: asked of its server)."""
-    from trainbridge.graph.runs import RunError, run_status, summary_line
+    from trainbridge.graph.runs import run_status, summary_line
     from trainbridge.graph.state import runs_root
 
     url = _checkpoint_url(checkpoint)

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 from contextlib import contextmanager
-from datetime import datetime
 from pathlib import Path
 from typing import Iterator, Optional
 

@@ -19,7 +19,6 @@ a device slot takes the cores that go with its device index.
 from __future__ import annotations
 
 import fcntl
-import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
-from trainbridge.sandbox.script_capture import capture_plan  # harness mode "capture": the runner asks for its steps here
+from trainbridge.sandbox.script_capture import capture_plan  # noqa: F401 - harness mode "capture": the runner asks script_run for its steps
 from trainbridge.sandbox.script_files import DataPathError, RunDir, make_run_dir, snapshot
 from trainbridge.sandbox.script_launch import LaunchSpec, parse_launch
 from trainbridge.sandbox.workload import DEFAULT_LOSS_PATTERN, Workload
