@@ -298,7 +298,7 @@ class StepController:
         values, self.loss_values = self.loss_values, []
         self._loss_objects = parts
         if self.loss_sources is not None:
-            return self.loss_sources.step_loss(parts)
+            return self.loss_sources.step_loss(parts, values)
         if not parts:
             return math.nan
         total = torch.stack([v.float().reshape(()).cpu() for v in values]).sum()

@@ -82,8 +82,9 @@ class LossSources:
     def note_scaled(self, scaled: Any, original: Any) -> None:
         self.scaled[id(scaled)] = (scaled, original)
 
-    def step_loss(self, parts: list[Any]) -> float:
-        """The step's loss from the scalars backward was called on (`parts`) and what the step printed."""
+    def step_loss(self, parts: list[Any], values: list[Any] | None = None) -> float:
+        """The step's loss from the scalars backward was called on (`parts`; `values`: their copies taken when backward
+        was called, since a script may all-reduce the tensor in place for its log afterwards) and what the step printed."""
         import torch
 
         logged = self.logged.take() if self.logged is not None else None
@@ -94,7 +95,8 @@ class LossSources:
         if logged is not None and self.logged.preferred:
             return self._count("pattern", logged)
         if parts:
-            unscaled = [scaled[id(p)][1] if id(p) in scaled and scaled[id(p)][0] is p else p for p in parts]
+            values = parts if values is None else values
+            unscaled = [scaled[id(p)][1] if id(p) in scaled and scaled[id(p)][0] is p else v for p, v in zip(parts, values)]
             total = torch.stack([p.detach().float().reshape(()).cpu() for p in unscaled]).sum()
             source = "backward-unscaled" if any(u is not p for u, p in zip(unscaled, parts)) else "backward"
             return self._count(source, float(total.item()))
