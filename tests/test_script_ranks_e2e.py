@@ -16,7 +16,8 @@ import pytest
 
 from trainbridge.tests.script_mode_support import ddp_repo, git
 
-pytestmark = pytest.mark.slow
+# a whole run (init, baseline, repeatability check, paired gate): minutes on 2 cores, more when the machine is shared
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
 def trainbridge(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
