@@ -82,6 +82,16 @@ class DriveOutcome:
     interrupted: str | None = None  # ran beside another child whose fault ended both plans: why
 
 
+def record_step(out: DriveOutcome, phase: str, elapsed: float, loss: float) -> None:
+    """A timed step's wall time and loss into the outcome's list for its phase (warmup, measured, cooldown)."""
+    if phase == "cooldown":
+        out.cooldown_times_s.append(elapsed)
+        out.cooldown_losses.append(loss)
+    else:
+        (out.warmup_times_s if phase == "warmup" else out.step_times_s).append(elapsed)
+        out.losses.append(loss)
+
+
 class ChildStopped(Exception):
     """The child's own fault ended its plan; its outcome says what happened."""
 
@@ -193,12 +203,7 @@ class DrivenChild:
         loss, inner = float(reply["loss"]), float(reply.get("inner_s", math.nan))
         out.inner_times_s.append(inner)
         out.clock_pairs.append((started / 1e9 + elapsed, float(reply.get("clock", math.nan))))
-        if phase == "cooldown":
-            out.cooldown_times_s.append(elapsed)
-            out.cooldown_losses.append(loss)
-        else:
-            (out.warmup_times_s if phase == "warmup" else out.step_times_s).append(elapsed)
-            out.losses.append(loss)
+        record_step(out, phase, elapsed, loss)
         if not math.isfinite(loss):
             done = len(out.inner_times_s)
             raise _ChildFailed(Failure(kind=FailureKind.nonfinite_loss, message=f"step {done - 1} returned a non-finite loss ({loss})",

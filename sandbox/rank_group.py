@@ -34,7 +34,7 @@ from typing import Any
 
 from trainbridge.sandbox import proc_watch
 from trainbridge.sandbox.channel import Channel, ChannelClosed, ChannelProtocolError, ChannelTimeout
-from trainbridge.sandbox.driven_child import CHANNEL_FD, ChildSpec, ChildStopped, DrivenChild
+from trainbridge.sandbox.driven_child import CHANNEL_FD, ChildSpec, ChildStopped, DrivenChild, record_step
 from trainbridge.sandbox.rank_supervisor import RANKS_LOG, rank_output
 from trainbridge.sandbox.results import Failure, FailureKind
 from trainbridge.sandbox.script_launch import rank_threads
@@ -197,12 +197,7 @@ class RankGroupChild(DrivenChild):
         out, loss = self.out, _mean(losses)
         out.inner_times_s.append(max((t for t in inner if t == t), default=math.nan))
         out.clock_pairs.append((started / 1e9 + per_rank[0], float(replies[0].get("clock", math.nan))))
-        if phase == "cooldown":
-            out.cooldown_times_s.append(elapsed)
-            out.cooldown_losses.append(loss)
-        else:
-            (out.warmup_times_s if phase == "warmup" else out.step_times_s).append(elapsed)
-            out.losses.append(loss)
+        record_step(out, phase, elapsed, loss)
         bad = [rank for rank, value in enumerate(losses) if not math.isfinite(value)]
         if bad:
             done = len(out.inner_times_s)
