@@ -210,12 +210,16 @@ class DrivenChild:
                                        step=done - 1))
         return elapsed
 
+    def request_final(self, deadline: float) -> None:
+        """`final` (each parameter's change since `mark`), when the plan asks for it."""
+        if self.spec.plan.deltas_path is not None:
+            self.send({"op": "final", "deltas_path": str(self.spec.plan.deltas_path)})
+            self.out.final = self.expect("final", deadline)
+
     def finish(self, deadline: float) -> None:
         """`final` (when planned), `exit`, and the closing message."""
         out, watch = self.out, self.out.watch
-        if self.spec.plan.deltas_path is not None:
-            self.send({"op": "final", "deltas_path": str(self.spec.plan.deltas_path)})
-            out.final = self.expect("final", deadline)
+        self.request_final(deadline)
         self.send({"op": "exit"})
         assert self.channel is not None
         closing = self.channel.recv(deadline)

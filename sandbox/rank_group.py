@@ -207,9 +207,7 @@ class RankGroupChild(DrivenChild):
 
     def finish(self, deadline: float) -> None:
         out, watch = self.out, self.out.watch
-        if self.spec.plan.deltas_path is not None:
-            self.send({"op": "final", "deltas_path": str(self.spec.plan.deltas_path)})
-            out.final = self.expect("final", deadline)
+        self.request_final(deadline)
         self.send({"op": "exit"})
         closings, _ = self._gather("result", deadline, closing=True)
         first = closings[0]

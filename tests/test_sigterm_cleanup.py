@@ -15,30 +15,25 @@ from trainbridge.tests.script_mode_support import script_repo
 LONG = 'launch = "python train.py 1000000"\nwarmup_steps = 1\nsteps = 90000\ntimeout_s = 600\n'
 
 
-def _children(pid: int) -> list[int]:
-    found = []
+def _stat_rows() -> list[tuple[int, int, int, str]]:
+    """(pid, ppid, session id, state) of every process readable in /proc."""
+    rows = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
+            rows.append((int(entry.name), int(fields[1]), int(fields[3]), fields[0]))
+    return rows
+
+
+def _children(pid: int) -> list[int]:
+    return [child for child, ppid, _, _ in _stat_rows() if ppid == pid]
 
 
 def _session(sid: int) -> list[int]:
-    alive = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                alive.append(int(entry.name))
-    return alive
+    return [member for member, _, session, state in _stat_rows() if session == sid and state != "Z"]
 
 
 def test_sigterm_of_measure_mid_step_leaves_no_sandbox_process(tmp_path):
