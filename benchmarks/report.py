@@ -227,6 +227,8 @@ def render_markdown(record: dict[str, Any], charts: list[str] | None = None) -> 
     lines += _section("Gate calibration", s.get("calibration"), calibration_table)
     lines += _section("Knowledge-base query latency", s.get("kb_latency"), lambda sec: [sec.get("markdown", "")])
     lines += _section("Analysis time against model depth (llama)", s.get("analysis_scaling"), analysis_table)
+    lines += _section("torchrun: one process and 2 ranks (gpt2_pretrain, script mode)", s.get("ranks"),
+                      lambda sec: [sec.get("markdown", "")])
     return "\n".join(lines) + "\n"
 
 

@@ -1,4 +1,4 @@
-"""TrainBridge's benchmark suite: one command, five measurements, one dated results page.
+"""TrainBridge's benchmark suite: one command, six measurements, one dated results page.
 
     .venv/bin/python benchmarks/suite.py            # everything (about 40 min on a quiet 2-core machine)
     .venv/bin/python benchmarks/suite.py --quick    # a few minutes: one workload, tiny sizes (checks the machinery)
@@ -15,6 +15,8 @@ Sections (`--only` takes a comma-separated list of these names):
   kb_latency        knowledge-base query latency at 10k and 100k outcomes, embedded and on a loopback
                     Chroma server (kb_latency.py, run as is)
   analysis_scaling  analyst wall time for the llama example at 2, 4, 8, 16 layers (analysis_scaling.py)
+  ranks             gpt2_pretrain's data-parallel variant in script mode: one process against
+                    `torchrun --nproc_per_node 2` (the group's step, the slowest rank's; per-rank medians) (ranks_scaling.py)
 
 Writes benchmarks/results/<YYYY-MM-DD>.md, .json and .png (plus <date>-analysis.png); --quick writes
 <date>-quick.*. The JSON is rewritten atomically after every section (status "incomplete" until the
@@ -44,14 +46,14 @@ ROOT = HERE.parent
 if str(HERE) not in sys.path:  # run as a script: the sibling modules (benchmarks/ is not a package)
     sys.path.insert(0, str(HERE))
 
-SECTIONS = ("speedup", "loop_cost", "calibration", "kb_latency", "analysis_scaling")
+SECTIONS = ("speedup", "loop_cost", "calibration", "kb_latency", "analysis_scaling", "ranks")
 EXAMPLES = ("llama_pretrain", "gpt2_pretrain", "resnet_classify", "clip_pretrain")
 FULL = dict(workloads=list(EXAMPLES), run_budget_s=180.0, max_candidates=4, gate_rounds=8, run_reference=True,
             rounds=8, steps=8, calibration_gates=2, calibration_rounds=8, calibration_steps=20,
-            kb_sizes=[10_000, 100_000], kb_queries=40, depths=[2, 4, 8, 16])
+            kb_sizes=[10_000, 100_000], kb_queries=40, depths=[2, 4, 8, 16], ranks_rounds=4)
 QUICK = dict(workloads=["llama_pretrain"], run_budget_s=60.0, max_candidates=1, gate_rounds=6, run_reference=False,
              rounds=2, steps=3, calibration_gates=1, calibration_rounds=2, calibration_steps=5,
-             kb_sizes=[1_000], kb_queries=10, depths=[1, 2])
+             kb_sizes=[1_000], kb_queries=10, depths=[1, 2], ranks_rounds=1)
 
 
 class Progress:
@@ -109,6 +111,8 @@ def estimate_s(settings: dict[str, Any], sections: list[str]) -> dict[str, float
         out["kb_latency"] = 2 * (30 + max(settings["kb_sizes"]) * 0.0008)  # 0.8 s per 1k outcomes inserted, measured
     if "analysis_scaling" in sections:
         out["analysis_scaling"] = sum(20 + 8.5 * d for d in settings["depths"])
+    if "ranks" in sections:
+        out["ranks"] = settings["ranks_rounds"] * 2 * (15 + 3 * (settings["steps"] + 3) * 0.3)  # a sandbox + 2 ranks' start: ~15 s
     return out
 
 
@@ -227,6 +231,13 @@ def run_kb_latency(settings: dict[str, Any], tmp: Path, say: Progress) -> dict[s
     return {"rows": record["rows"], "markdown": record["markdown"], "args": record["args"]}
 
 
+def run_ranks(settings: dict[str, Any], say: Progress) -> dict[str, Any]:
+    import ranks_scaling
+
+    say(f"ranks: gpt2_pretrain/train_ddp.py, one process and 2 torchrun ranks, {settings['ranks_rounds']} rounds x {settings['steps']} steps")
+    return ranks_scaling.measure(rounds=settings["ranks_rounds"], steps=settings["steps"], say=say)
+
+
 def run_analysis_scaling(settings: dict[str, Any], say: Progress) -> dict[str, Any]:
     import analysis_scaling
 
@@ -304,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             section("analysis_scaling", lambda: run_analysis_scaling(settings, say))
         if "kb_latency" in sections:
             section("kb_latency", lambda: run_kb_latency(settings, tmp, say))
+        if "ranks" in sections:
+            section("ranks", lambda: run_ranks(settings, say))
 
     record["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     record["finished"] = datetime.now().isoformat(timespec="seconds")

@@ -12,7 +12,7 @@ from typing import Any
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import RetryPolicy
 
-from trainbridge.graph import nodes
+from trainbridge.graph import fanout, nodes
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.state import RunState
 
@@ -57,14 +57,21 @@ def build_graph(context_schema: type = RunContext) -> StateGraph:
     graph.add_node("profiler", timed("profiler", nodes.profiler), retry_policy=_RETRY)
     graph.add_node("decide", timed("decide", nodes.decide), retry_policy=_RETRY)
     graph.add_node("report", timed("report", nodes.report))
+    # parallel gates (--devices, --ray): graph/fanout.py; a gate's time counts as the profiler's (budget stops)
+    graph.add_node("batch", timed("batch", fanout.batch), retry_policy=_RETRY)
+    graph.add_node("gate", timed("profiler", fanout.gate), retry_policy=_RETRY)
+    graph.add_node("merge", timed("merge", fanout.merge), retry_policy=_RETRY)
     graph.add_edge(START, "prepare")
     graph.add_edge("prepare", "analyst")
     graph.add_edge("analyst", "retrieval")
-    graph.add_conditional_edges("retrieval", nodes.route_after_retrieval)
+    graph.add_conditional_edges("retrieval", fanout.route_after_retrieval)
     graph.add_conditional_edges("coder", nodes.route_after_coder)
     graph.add_conditional_edges("review", nodes.route_after_review)
     graph.add_conditional_edges("apply_review", nodes.route_after_apply_review)
     graph.add_edge("profiler", "decide")
     graph.add_conditional_edges("decide", nodes.route_after_decide)
+    graph.add_conditional_edges("batch", fanout.route_after_batch, ["gate", "report"])
+    graph.add_edge("gate", "merge")
+    graph.add_conditional_edges("merge", fanout.route_after_merge, ["gate", "batch", "analyst", "report"])
     graph.add_edge("report", END)
     return graph

@@ -51,4 +51,6 @@ def build_app() -> typer.Typer:
 
 
 def main() -> None:
-    build_app()()
+    from trainbridge.sandbox.termination import run_terminable
+
+    run_terminable(build_app())  # SIGTERM ends the sandbox children too (sandbox/termination.py)

@@ -173,6 +173,9 @@ def _print_result(root: Path, result: RunResult) -> None:
         table.add_row("first (warm-up) step", f"{result.warmup_times_s[0] * 1000:.1f} ms")
     if result.losses:
         table.add_row("loss first -> last", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+    sources = (result.extra.get("script") or {}).get("loss_sources")
+    if sources:  # script mode: backward's scalars, GradScaler's unscaled, or the printed loss (sandbox/script_loss.py)
+        table.add_row("loss from", ", ".join(f"{name} ({count} steps)" for name, count in sources.items()))
     if result.peak_memory_bytes:
         table.add_row("peak memory", f"{result.peak_memory_bytes / 2**20:.0f} MiB")
     table.add_row("network", "isolated" if result.network_isolated else "not isolated")

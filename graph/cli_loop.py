@@ -17,6 +17,24 @@ from trainbridge.graph.cli_server import review_on_server, run_on_server, served
 from trainbridge.graph.terminal import console
 from trainbridge.graph.terminal import error as _error
 
+CHECKPOINT_HELP = ("Postgres URL of the run's checkpoints (postgresql://user@host:5432/db; the password in PGPASSWORD or ~/.pgpass); "
+                   "a run checkpointed there can be shown, reviewed, resumed and reported from any machine that reaches the "
+                   "database and the repository (default: TRAINBRIDGE_CHECKPOINT, else the run's SQLite file).")
+
+
+def _checkpoint_option():
+    return typer.Option(None, "--checkpoint", help=CHECKPOINT_HELP)
+
+
+def _checkpoint_url(given: Optional[str]) -> Optional[str]:
+    from trainbridge.graph.checkpoints import default_checkpoint
+
+    try:
+        return default_checkpoint(given)
+    except ValueError as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
+
 
 def _report_outcome(outcome) -> None:
     if not print_outcome(outcome.run_id, outcome.waiting_for_review, outcome.state, outcome.finished,
@@ -40,6 +58,9 @@ def run(
     final_rounds: int = typer.Option(6, help="Interleaved rounds of the closing comparison: original, final head and torch.compile of the original (0: a single plain measurement)."),
     category: Optional[list[str]] = typer.Option(None, "--category", help="Only intents of this category (repeatable)."),
     server: Optional[str] = typer.Option(None, "--server", help="Submit the run to the LangGraph server at this URL (`trainbridge serve`) instead of running it here; REPO and the other paths are read on the server's machine. Ctrl-C detaches, the run goes on."),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Keep the run's checkpoints in this Postgres database (postgresql://user@host:5432/db; the password in PGPASSWORD or ~/.pgpass) instead of the SQLite file in the run's folder: any machine that reaches the database and the repository can then show, review, resume and report it. Default: TRAINBRIDGE_CHECKPOINT."),
+    devices: Optional[str] = typer.Option(None, "--devices", help="Judge up to this many candidates at once, each gate on a slot of its own: cpu:2 (two slots of pinned cores), cuda:0,1, npu:0-7. The run branch still moves one verified commit at a time."),
+    ray: Optional[str] = typer.Option(None, "--ray", help="Run the gates as Ray tasks on this cluster (auto, or its address), each asking for one device; pip install 'trainbridge[team]'."),
     launch: Optional[list[str]] = typer.Argument(None, metavar="[-- LAUNCH...]", help="Script mode: the command the repository trains with, after `--` (e.g. `-- python train.py --batch_size=4`); replaces trainbridge.toml's launch/entry/command for this run (a trainbridge.toml, when committed, still gives steps, data and overrides)."),
 ) -> None:
     """Run the whole loop on a repository: analyse, rewrite, gate, keep what is faster; leave a branch and a report.
@@ -68,7 +89,7 @@ def run(
                            review=review, reference_pack=str(reference.resolve()) if reference else None,
                            compile_reference=not no_reference, kb_url=kb_url, kb_dir=str(kb_dir) if kb_dir else None,
                            min_gain=min_gain, gate_rounds=rounds, final_rounds=final_rounds, categories=category or None,
-                           launch=line)
+                           launch=line, checkpoint=_checkpoint_url(checkpoint), devices=devices, ray=ray)
     except ValueError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
@@ -105,12 +126,13 @@ def _stopping_errors() -> tuple[type[BaseException], ...]:
     return (AnalysisError, LLMConfigError, RunStopped, UnsafeRepoState, WorkloadConfigError)
 
 
-def resume(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run to continue.")) -> None:
-    """Continue a run that was stopped or killed, from its last checkpoint."""
+def resume(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run to continue."),
+           checkpoint: Optional[str] = _checkpoint_option()) -> None:
+    """Continue a run that was stopped or killed, from its last checkpoint (here or, with --checkpoint, in Postgres)."""
     from trainbridge.graph.runs import RunError, resume_run
 
     try:
-        outcome = resume_run(run_id, say=_say)
+        outcome = resume_run(run_id, say=_say, checkpoint=_checkpoint_url(checkpoint))
     except RunError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
@@ -120,16 +142,26 @@ def resume(run_id: str = typer.Argument(..., callback=valid_run_id, help="The ru
     _report_outcome(outcome)
 
 
-def status(run_id: Optional[str] = typer.Argument(None, callback=valid_run_id, help="A run (default: list all runs).")) -> None:
+def status(run_id: Optional[str] = typer.Argument(None, callback=valid_run_id, help="A run (default: list all runs)."),
+           checkpoint: Optional[str] = _checkpoint_option()) -> None:
     """Where a run stands: current node, intents done/left, candidates, accepted speedup so far (a served run: asked of its server)."""
-    from trainbridge.graph.runs import RunError, run_status, summary_line
+    from trainbridge.graph.runs import run_status, summary_line
     from trainbridge.graph.state import runs_root
 
+    url = _checkpoint_url(checkpoint)
     if run_id is None:
         runs = sorted(p.name for p in runs_root().glob("*") if (p / "run.json").is_file())
+        if url is not None:  # and the runs checkpointed in the team's database, from wherever they started
+            from trainbridge.graph.checkpoints import CheckpointError, database_runs
+
+            try:
+                runs = sorted(set(runs) | set(database_runs(url)))
+            except CheckpointError as exc:
+                _error(str(exc))
+                raise typer.Exit(2) from None
         for name in runs:
             try:
-                info = served_run_status(name) or run_status(name)
+                info = served_run_status(name, url) or run_status(name, checkpoint=url)
                 state = "waiting for review" if info["waiting_for_review"] else ("finished" if info["finished"] else "stopped/running")
                 print(f"{name}: {state}; {summary_line(info['state'])}")
             except Exception as exc:  # one broken run must not hide the others
@@ -137,11 +169,7 @@ def status(run_id: Optional[str] = typer.Argument(None, callback=valid_run_id, h
         if not runs:
             print(f"no runs under {runs_root()}")
         return
-    try:
-        info = served_run_status(run_id) or run_status(run_id)
-    except RunError as exc:
-        _error(str(exc))
-        raise typer.Exit(2) from None
+    info = _status_of(run_id, url)
     state = info["state"]
     baseline = state.get("baseline_step_s")
     accepted = state.get("accepted") or []
@@ -156,12 +184,25 @@ def status(run_id: Optional[str] = typer.Argument(None, callback=valid_run_id, h
         print(f"baseline step {baseline * 1000:.1f} ms; accepted commits' gate ratios multiply to {speedup:.3f}x (measured per commit)")
 
 
+def _status_of(run_id: str, checkpoint: Optional[str]) -> dict:
+    """A run's status: asked of its server when it is served, else read from its checkpoints (the local
+    SQLite file, or the Postgres database of --checkpoint / TRAINBRIDGE_CHECKPOINT)."""
+    from trainbridge.graph.runs import RunError, run_status
+
+    try:
+        return served_run_status(run_id, checkpoint) or run_status(run_id, checkpoint=checkpoint)
+    except RunError as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
+
+
 def review_cmd(
     run_id: str = typer.Argument(..., callback=valid_run_id, help="A run paused for review (with --server: its run id or its server thread id)."),
     action: Optional[str] = typer.Option(None, "--action", help="approve, reject or edit (default: ask)."),
     reason: Optional[str] = typer.Option(None, "--reason", help="Why it is rejected (reaches the coder and the knowledge base)."),
     patch_file: Optional[Path] = typer.Option(None, "--patch", help="For edit: the replacement patch (default: open $EDITOR on the current one)."),
     server: Optional[str] = typer.Option(None, "--server", help="The run is on the LangGraph server at this URL (`trainbridge run --server`, Studio)."),
+    checkpoint: Optional[str] = _checkpoint_option(),
 ) -> None:
     """Show the patch a paused run waits on, and approve, reject (with a reason) or edit it; then the run continues.
 
@@ -171,8 +212,9 @@ def review_cmd(
         return
     from trainbridge.graph.runs import RunError, answer_review, run_status
 
+    url = _checkpoint_url(checkpoint)
     try:
-        info = run_status(run_id)
+        info = run_status(run_id, checkpoint=url)
     except RunError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
@@ -183,28 +225,26 @@ def review_cmd(
     show_review(payload)
     decision = ask_decision(payload, action, reason, patch_file)
     try:
-        outcome = answer_review(run_id, decision, say=_say)
+        outcome = answer_review(run_id, decision, say=_say, checkpoint=url)
     except (RunError, ValueError) as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
     _report_outcome(outcome)
 
 
-def report_cmd(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run.")) -> None:
+def report_cmd(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run."),
+               checkpoint: Optional[str] = _checkpoint_option()) -> None:
     """Print where a finished run's report is, and its markdown."""
-    from trainbridge.graph.runs import RunError, run_status
-
-    try:
-        info = served_run_status(run_id) or run_status(run_id)
-    except RunError as exc:
-        _error(str(exc))
-        raise typer.Exit(2) from None
+    info = _status_of(run_id, _checkpoint_url(checkpoint))
     paths = info["state"].get("report_paths") or []
     if not paths:
         _error(f"run {run_id} has no report yet (it is written when the run ends)")
         raise typer.Exit(1)
     for path in paths:
         console.print(path)
+    if not Path(paths[0]).is_file():
+        _error(f"the report is on the machine that finished the run ({paths[0]}); this one does not see that path")
+        raise typer.Exit(1)
     print(Path(paths[0]).read_text(encoding="utf-8"))
 
 

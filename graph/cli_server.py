@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 from contextlib import contextmanager
-from datetime import datetime
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -185,14 +184,14 @@ def report_served(url: str, outcome) -> None:
                       f"{outcome.state.get('node')}", soft_wrap=True)
 
 
-def served_run_status(run_id: str) -> dict | None:
+def served_run_status(run_id: str, checkpoint: str | None = None) -> dict | None:
     """For `trainbridge status/report` on the server's machine: a served run's status (the shape of runs.run_status),
     asked of the server that holds it; None for a run that is not served."""
     from trainbridge.graph.runs import RunError, load_config
     from trainbridge.graph.server import served_by
     from trainbridge.graph.server_client import ServerError, connect, thread_outcome
 
-    config, paths = load_config(run_id)
+    config, paths = load_config(run_id, checkpoint=checkpoint)
     served = served_by(paths.dir)
     if served is None:
         return None

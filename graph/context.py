@@ -38,4 +38,5 @@ class RunContext:
     def workspace(self, base: str = "HEAD"):
         from trainbridge.tools.git_ops import RunWorkspace
 
-        return RunWorkspace.create_run(self.user_repo, self.config.run_id, base, workspace_root=self.paths.workspace)
+        root = Path(self.config.workspace_dir) if self.config.workspace_dir else self.paths.workspace
+        return RunWorkspace.create_run(self.user_repo, self.config.run_id, base, workspace_root=root)

@@ -8,7 +8,6 @@ instead of measuring. Mounted on the root app by graph/cli.py; nothing runs at i
 
 from __future__ import annotations
 
-import json
 
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import typer
 
 from trainbridge.graph.terminal import console
 from trainbridge.graph.terminal import error as _error
-from trainbridge.tools.init_toml import literal_value, render_toml
+from trainbridge.tools.init_toml import literal_value, render_toml, toml_key, toml_value
 from trainbridge.tools.launch_discovery import Discovery, LaunchCandidate, discover_launch
 
 TOML_NAME = "trainbridge.toml"
@@ -135,9 +134,4 @@ def shrink_hints(found: Discovery, most: int = 6) -> str:
     from trainbridge.tools.script_facts import SIZE_NAMES
 
     sizes = [s for s in found.settings if s.name in SIZE_NAMES and literal_value(s.value) is not None]
-    return ", ".join(f"{s.name} = {literal_value(s.value)!r} ({s.where}{_key_note(s)})" for s in sizes[:most])
-
-
-def _key_note(setting) -> str:
-    key = setting.key or setting.name
-    return f"; key {json.dumps(key)}" if key != setting.name else ""
+    return ", ".join(f"{toml_key(s)} = {toml_value(literal_value(s.value))} ({s.where})" for s in sizes[:most])

@@ -21,6 +21,7 @@ from trainbridge.agents.retrieval.choose import choose_intent
 from trainbridge.graph import npu_pending
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.detached_views import detached_view, remove_view
+from trainbridge.graph.devices import parallel_gates
 from trainbridge.graph.npu_port import port_to_npu
 from trainbridge.graph.review import REVIEW_SCHEMA_VERSION, ReviewDecision, review_payload
 from trainbridge.graph.state import RunState
@@ -40,7 +41,8 @@ PARTS_KEY = "_parts"  # a node's sub-phase seconds; builder.timed moves them int
 def prepare(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     ctx = runtime.context
     workspace = ctx.workspace(state.get("base_sha") or "HEAD")
-    update: dict[str, Any] = {"node": "prepare", "base_sha": workspace.info.base_sha, "run_branch": workspace.branch}
+    update: dict[str, Any] = {"node": "prepare", "base_sha": workspace.info.base_sha, "run_branch": workspace.branch,
+                              "parallel": parallel_gates(ctx.config)}
     if not state.get("started_at"):
         update["started_at"] = time.time()
     if ctx.config.target == "npu" and not state.get("ported"):
@@ -52,8 +54,23 @@ def prepare(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         if result.failure is not None:
             raise RunStopped(f"the unmodified program fails in the sandbox ({result.failure.kind}): {result.failure.message}")
         update["baseline_step_s"] = result.median_step_s()
+        if result.mode == "script":  # once per run: is the program repeatable under one seed? (the gate needs to know)
+            update["determinism"] = _determinism(ctx.config.workload(workspace.worktree), result, ctx)
         update[PARTS_KEY] = {"baseline": round(time.monotonic() - started, 3)}
     return update
+
+
+def _determinism(workload: Workload, measured, ctx: RunContext) -> dict[str, Any]:
+    """The baseline run once more with the same seed, its losses compared with `measured`'s."""
+    from trainbridge.sandbox.script_determinism import check_repeatable
+
+    try:
+        report = check_repeatable(workload, backend=ctx.config.target, first=measured)
+    except RuntimeError as exc:
+        raise RunStopped(f"the unmodified program fails in the sandbox on its second run: {exc}") from None
+    if not report.repeatable:
+        ctx.say(f"{report.message}; the gate judges it with the numerics checks that still apply")
+    return report.model_dump(mode="json")
 
 
 def _measure(workload: Workload, ctx: RunContext):
@@ -168,8 +185,8 @@ def apply_review(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any
     workspace = ctx.workspace(state["base_sha"])
     if decision.action == "reject":
         workspace.reject_candidate(candidate.name)
-        record = _verdict_record(candidate, accepted=False, reason="rejected_in_review", message=decision.reason or "rejected")
-        _record_outcome(ctx, state, candidate, record)
+        record = verdict_record(candidate, accepted=False, reason="rejected_in_review", message=decision.reason or "rejected")
+        record_outcome(ctx, state, candidate, record)
         return {"node": "apply_review", "candidate": None, "review_feedback": decision.reason, "verdicts": [record],
                 "candidates_tried": (state.get("candidates_tried") or 0) + 1}
     from trainbridge.graph.review import apply_edit
@@ -178,7 +195,7 @@ def apply_review(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any
         edited = apply_edit(workspace, candidate, decision.patch or "")
     except ValueError as exc:  # the reviewer's patch does not apply: drop the candidate, say why
         workspace.reject_candidate(candidate.name)
-        record = _verdict_record(candidate, accepted=False, reason="review_edit_failed", message=str(exc))
+        record = verdict_record(candidate, accepted=False, reason="review_edit_failed", message=str(exc))
         return {"node": "apply_review", "candidate": None, "verdicts": [record], "review_feedback": str(exc)}
     return {"node": "apply_review", "candidate": edited.model_dump(mode="json"),
             "review_decision": {"action": "approve", "schema": REVIEW_SCHEMA_VERSION}}
@@ -204,7 +221,8 @@ def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     ctx.say(f"gate: {candidate.name} ({f'{ctx.config.gate_rounds} interleaved rounds' if measurable else 'numerics only: no NPU here'})")
     verdict = judge_candidate(workspace.worktree, Path(candidate.worktree), target=ctx.config.target,
                               recipe_numerics=recipe.numerics if recipe is not None else None, rounds=ctx.config.gate_rounds,
-                              max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain, launch=ctx.config.launch)
+                              max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain, launch=ctx.config.launch,
+                              determinism=state.get("determinism"))
     return {"node": "profiler", "verdict": verdict.model_dump(mode="json"), "candidates_tried": (state.get("candidates_tried") or 0) + 1,
             PARTS_KEY: dict(verdict.phase_seconds)}
 
@@ -222,14 +240,14 @@ def decide(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     if candidate_data is not None and verdict is not None:
         candidate = Candidate.model_validate(candidate_data)
         workspace = ctx.workspace(state["base_sha"])
-        record = _verdict_record(candidate, accepted=verdict["accepted"], reason=verdict["reason"], message=verdict["message"],
+        record = verdict_record(candidate, accepted=verdict["accepted"], reason=verdict["reason"], message=verdict["message"],
                                  ratio=verdict.get("ratio"), ratio_ci=verdict.get("ratio_ci"))
         if verdict["accepted"]:
             result = workspace.accept_candidate(candidate.name)
             record["sha"] = result.sha
             update["accepted"] = [record]
             if candidate.recipe_id is None:
-                _learn(ctx, workspace, candidate, state)
+                learn_recipe(ctx, workspace, candidate, state)
             gain = 1.0 - (verdict.get("ratio") or 1.0)
             update["low_gain_rounds"] = 0 if gain >= 2 * ctx.config.min_gain else (state.get("low_gain_rounds") or 0) + 1
         elif verdict["reason"] == "speed_unmeasured_numerics_ok":
@@ -241,7 +259,7 @@ def decide(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             update["done_intents"] = [candidate.intent_id]
         else:
             workspace.reject_candidate(candidate.name)
-        _record_outcome(ctx, state, candidate, record)
+        record_outcome(ctx, state, candidate, record)
         update["verdicts"] = [record]
         update["candidate"] = None
         ctx.say(f"verdict {candidate.name}: {record['reason']} ({record['message'][:120]})")
@@ -323,7 +341,7 @@ def _kb_stats(ctx: RunContext) -> dict[str, Any] | None:
         return {"error": str(exc)}
 
 
-def _learn(ctx: RunContext, workspace, candidate: Candidate, state: RunState) -> None:
+def learn_recipe(ctx: RunContext, workspace, candidate: Candidate, state: RunState) -> None:
     """An accepted LLM rewrite becomes a `learned` recipe, so the next run needs no LLM for it."""
     from trainbridge.agents.coder.learned import LearnedRecipeError, learned_recipe
 
@@ -340,13 +358,13 @@ def _learn(ctx: RunContext, workspace, candidate: Candidate, state: RunState) ->
 # --- helpers -------------------------------------------------------------------------------------
 
 
-def _verdict_record(candidate: Candidate, *, accepted: bool, reason: str, message: str, ratio=None, ratio_ci=None) -> dict[str, Any]:
+def verdict_record(candidate: Candidate, *, accepted: bool, reason: str, message: str, ratio=None, ratio_ci=None) -> dict[str, Any]:
     return {"intent_id": candidate.intent_id, "category": candidate.category, "recipe_id": candidate.recipe_id,
             "candidate": candidate.name, "files": candidate.files, "diff": candidate.diff, "accepted": accepted,
             "reason": reason, "message": message, "ratio": ratio, "ratio_ci": list(ratio_ci) if ratio_ci else None}
 
 
-def _record_outcome(ctx: RunContext, state: RunState, candidate: Candidate, record: dict[str, Any]) -> None:
+def record_outcome(ctx: RunContext, state: RunState, candidate: Candidate, record: dict[str, Any]) -> None:
     intent = Intent.model_validate(state["current_intent"])
     versions = (state.get("verdict") or {}).get("candidate_versions") or {}
     outcome = Outcome(

@@ -1,21 +1,22 @@
-"""Entry points of the loop: start, resume, review, status. The graph is compiled here with a SQLite
-checkpointer whose thread id is the run id, so a killed run continues where it stopped."""
+"""Entry points of the loop: start, resume, review, status. The graph is compiled here with a
+checkpointer whose thread id is the run id, so a killed run continues where it stopped: SQLite in
+the run's folder by default, Postgres with `checkpoint` (graph/checkpoints.py), where the run's
+settings are checkpointed too, so that another machine can find and continue the run."""
 
 from __future__ import annotations
 
 import fcntl
 import json
 import os
-import sqlite3
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.types import Command
 
 from trainbridge.graph.builder import build_graph
+from trainbridge.graph.checkpoints import CheckpointError, database_run_lock, default_checkpoint, open_checkpointer
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.review import ReviewDecision
 from trainbridge.graph.state import RunConfig, RunPaths, runs_root
@@ -36,25 +37,37 @@ class RunOutcome:
 
 
 @contextmanager
-def _compiled(paths: RunPaths) -> Iterator[Any]:
-    paths.dir.mkdir(parents=True, exist_ok=True)
-    connection = sqlite3.connect(str(paths.checkpoints), check_same_thread=False)
+def _compiled(paths: RunPaths, checkpoint: str | None = None) -> Iterator[Any]:
     try:
-        yield build_graph().compile(checkpointer=SqliteSaver(connection))
-    finally:
-        connection.close()
+        with open_checkpointer(checkpoint, paths.checkpoints) as saver:
+            yield build_graph().compile(checkpointer=saver)
+    except CheckpointError as exc:
+        raise RunError(str(exc)) from None
 
 
 def _thread(run_id: str) -> dict[str, Any]:
     return {"configurable": {"thread_id": run_id}, "recursion_limit": RECURSION_LIMIT}
 
 
-def load_config(run_id: str, root: Path | None = None) -> tuple[RunConfig, RunPaths]:
+def load_config(run_id: str, root: Path | None = None, checkpoint: str | None = None) -> tuple[RunConfig, RunPaths]:
+    """The run's settings: its run.json on this machine, else (with a Postgres `checkpoint`, given or
+    from TRAINBRIDGE_CHECKPOINT) the settings checkpointed in the database when it started."""
     paths = RunPaths(run_id, root)
-    if not paths.config.is_file():
-        known = sorted(p.name for p in (root or runs_root()).glob("*") if (p / "run.json").is_file())
-        raise RunError(f"no run {run_id!r} under {(root or runs_root())} (known: {', '.join(known) or 'none'})")
-    return RunConfig.model_validate_json(paths.config.read_text(encoding="utf-8")), paths
+    if paths.config.is_file():
+        return RunConfig.model_validate_json(paths.config.read_text(encoding="utf-8")), paths
+    try:
+        url = default_checkpoint(checkpoint)
+    except ValueError as exc:
+        raise RunError(str(exc)) from None
+    known = sorted(p.name for p in (root or runs_root()).glob("*") if (p / "run.json").is_file())
+    if url is None:
+        raise RunError(f"no run {run_id!r} under {(root or runs_root())} (known: {', '.join(known) or 'none'}); "
+                       f"a run checkpointed in Postgres on another machine: add --checkpoint postgresql://...")
+    with _compiled(paths, url) as graph:
+        settings = graph.get_state(_thread(run_id)).values.get("settings")
+    if not settings:
+        raise RunError(f"no run {run_id!r} in the checkpoint database {url}, nor under {(root or runs_root())}")
+    return RunConfig.model_validate(settings), paths
 
 
 def start_run(config: RunConfig, *, say: Callable[[str], None] = lambda m: None, root: Path | None = None) -> RunOutcome:
@@ -68,16 +81,20 @@ def start_run(config: RunConfig, *, say: Callable[[str], None] = lambda m: None,
         check_run_input(config)
     except RunInputError as exc:
         raise RunError(str(exc)) from None
+    if config.checkpoint and config.workspace_dir is None:  # recorded, so another machine resumes in the same worktrees
+        config = config.model_copy(update={"workspace_dir": str(paths.workspace.resolve())})
     paths.dir.mkdir(parents=True, exist_ok=True)
     tmp = paths.config.with_suffix(".tmp")
     tmp.write_text(config.model_dump_json(indent=2), encoding="utf-8")
     tmp.replace(paths.config)
-    return _invoke(config, paths, {"run_id": config.run_id}, say)
+    start = {"run_id": config.run_id, "settings": config.model_dump(mode="json")}
+    return _invoke(config, paths, start, say)
 
 
-def resume_run(run_id: str, *, say: Callable[[str], None] = lambda m: None, root: Path | None = None) -> RunOutcome:
-    config, paths = load_config(run_id, root)
-    status = run_status(run_id, root)
+def resume_run(run_id: str, *, say: Callable[[str], None] = lambda m: None, root: Path | None = None,
+               checkpoint: str | None = None) -> RunOutcome:
+    config, paths = load_config(run_id, root, checkpoint)
+    status = run_status(run_id, root, checkpoint)
     if status["waiting_for_review"] is not None:
         return RunOutcome(run_id, False, status["waiting_for_review"], status["state"])
     if status["finished"]:
@@ -86,18 +103,18 @@ def resume_run(run_id: str, *, say: Callable[[str], None] = lambda m: None, root
 
 
 def answer_review(run_id: str, decision: dict[str, Any], *, say: Callable[[str], None] = lambda m: None,
-                  root: Path | None = None) -> RunOutcome:
-    config, paths = load_config(run_id, root)
-    status = run_status(run_id, root)
+                  root: Path | None = None, checkpoint: str | None = None) -> RunOutcome:
+    config, paths = load_config(run_id, root, checkpoint)
+    status = run_status(run_id, root, checkpoint)
     if status["waiting_for_review"] is None:
         raise RunError(f"run {run_id!r} is not waiting for a review (last node: {status['state'].get('node')})")
     validated = ReviewDecision.model_validate(decision).model_dump(mode="json", by_alias=True)
     return _invoke(config, paths, Command(resume=validated), say)
 
 
-def run_status(run_id: str, root: Path | None = None) -> dict[str, Any]:
-    config, paths = load_config(run_id, root)
-    with _compiled(paths) as graph:
+def run_status(run_id: str, root: Path | None = None, checkpoint: str | None = None) -> dict[str, Any]:
+    config, paths = load_config(run_id, root, checkpoint)
+    with _compiled(paths, config.checkpoint) as graph:
         snapshot = graph.get_state(_thread(run_id))
     interrupts = [i.value for task in snapshot.tasks for i in task.interrupts]
     return {
@@ -139,12 +156,16 @@ def _invoke(config: RunConfig, paths: RunPaths, payload: Any, say: Callable[[str
     from trainbridge.sandbox.scratch import sweep_stale
 
     context = RunContext(config=config, paths=paths, say=say, llm=LLMConfig.from_env(os.environ))
-    with run_lock(paths), _compiled(paths) as graph:
-        swept = sweep_stale()
-        if swept:
-            say(f"removed {len(swept)} scratch folder(s) left by killed TrainBridge processes")
-        result = graph.invoke(payload, _thread(config.run_id), context=context)
-        snapshot = graph.get_state(_thread(config.run_id))
+    try:
+        run_held = database_run_lock(config.checkpoint, config.run_id)  # across machines (Postgres); the flock: this one
+        with run_lock(paths), run_held, _compiled(paths, config.checkpoint) as graph:
+            swept = sweep_stale()
+            if swept:
+                say(f"removed {len(swept)} scratch folder(s) left by killed TrainBridge processes")
+            result = graph.invoke(payload, _thread(config.run_id), context=context)
+            snapshot = graph.get_state(_thread(config.run_id))
+    except CheckpointError as exc:
+        raise RunError(str(exc)) from None
     interrupts = result.get("__interrupt__") if isinstance(result, dict) else None
     waiting = interrupts[0].value if interrupts else None
     return RunOutcome(config.run_id, finished=not snapshot.next, waiting_for_review=waiting, state=dict(snapshot.values))

@@ -12,11 +12,16 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from typing_extensions import TypedDict  # pydantic (the LangGraph server's schema export) needs it on Python < 3.12
 
 from trainbridge.tools.git_names import check_run_id
 
+
+
+def gathered(held: list[dict[str, Any]] | None, new: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Reducer of the parallel gates' verdicts: each gate adds its own; None (the merge) empties the list."""
+    return [] if new is None else [*(held or []), *new]
 
 
 class RunConfig(BaseModel):
@@ -47,6 +52,12 @@ class RunConfig(BaseModel):
     launch: str | None = Field(default=None, description="script mode from `run <repo> -- LAUNCH`: this launch line replaces "
                                "trainbridge.toml's launch/entry/command in every worktree (the file, when there is one, gives "
                                "the other keys)")
+    checkpoint: str | None = Field(default=None, description="Postgres URL of the checkpoints (no password: PGPASSWORD or "
+                                   "~/.pgpass); None: SQLite in the run's folder")
+    workspace_dir: str | None = Field(default=None, description="where the run's git worktrees live (None: the run's folder); "
+                                      "recorded for a Postgres run so that another machine resumes in the same worktrees")
+    devices: str | None = Field(default=None, description="gate slots: cpu:2, cuda:0,1, npu:0-7 (None: one gate at a time)")
+    ray: str | None = Field(default=None, description="run the gates as Ray tasks on this cluster: auto or an address")
 
     def workload(self, root: Path):
         """The workload at `root` (a worktree of the run) as this run runs it."""
@@ -58,6 +69,30 @@ class RunConfig(BaseModel):
     def gate_rounds_limit(self) -> int:
         return max(self.gate_rounds, self.gate_max_rounds or 2 * self.gate_rounds)
 
+    @field_validator("checkpoint")
+    @classmethod
+    def _checkpoint(cls, value: str | None) -> str | None:
+        from trainbridge.graph.checkpoints import check_checkpoint_url
+
+        return check_checkpoint_url(value)
+
+    @field_validator("devices")
+    @classmethod
+    def _devices(cls, value: str | None) -> str | None:
+        if value is not None:
+            from trainbridge.graph.devices import parse_devices
+
+            parse_devices(value)  # raises ValueError with the syntax
+        return value
+
+    @model_validator(mode="after")
+    def _review_one_at_a_time(self) -> "RunConfig":
+        from trainbridge.graph.devices import slot_count
+
+        if self.review and (self.ray is not None or slot_count(self.devices) > 1):
+            raise ValueError("--review pauses at every patch, one at a time: leave out --devices/--ray for a reviewed run")
+        return self
+
     @field_validator("run_id")
     @classmethod
     def _run_id(cls, value: str) -> str:
@@ -66,12 +101,14 @@ class RunConfig(BaseModel):
 
 class RunState(TypedDict, total=False):
     run_id: str
+    settings: dict[str, Any] | None  # the RunConfig the run started with (another machine reads it from a Postgres checkpoint)
     node: str  # the node that last finished (for `trainbridge status`)
     base_sha: str
     run_branch: str
     started_at: float
     ported: dict[str, Any] | None  # the NPU port commit (target npu), made before the baseline
     baseline_step_s: float | None
+    determinism: dict | None  # script mode: sandbox/script_determinism.DeterminismReport of the unmodified program (prepare)
     reference_step_s: float | None  # torch.compile of the original (the line the report draws)
     eager_ops_before: int | None
     eager_ops_now: int | None
@@ -91,6 +128,14 @@ class RunState(TypedDict, total=False):
     stop_reason: str | None
     report_paths: list[str]
     final_comparison: dict[str, Any] | None  # agents.profiler.final.FinalComparison, written by the report node
+    # parallel gates (graph/fanout.py): the intents being worked, the batch being judged and against which head,
+    # the verdicts of its gates (any order; None resets), whether the last merge moved the run branch
+    parallel: bool  # gates side by side (--devices with more than one slot, or --ray): the batch path
+    lanes: list[dict[str, Any]]
+    batch: list[dict[str, Any]]
+    batch_head: str | None
+    gate_results: Annotated[list[dict[str, Any]], gathered]
+    landed: bool
     # wall time of every node run, in order: {"node", "wall_s", "parts": {phase: seconds}} (the loop's own cost)
     phase_times: Annotated[list[dict[str, Any]], operator.add]
 

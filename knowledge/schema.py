@@ -34,7 +34,11 @@ declares the parameters it needs; ``$name`` in a parameter string binds a placeh
       {kind: semantic, params: {scope: module_forward, signature: [x], attributes: [weight, eps]}}
 
   Required: ``scope`` (``function`` or ``module_forward``) and ``signature`` (argument names,
-  bound as placeholders); optional ``attributes`` (module attributes, bound as ``$self_<name>``).
+  bound as placeholders); optional ``attributes`` (module attributes, bound as ``$self_<name>``),
+  ``alternatives`` (syntactic forms: the fast path), and for a function matched by behaviour
+  ``candidates`` (replacements, tried in order) with ``probe`` (input shape sets, ``{x: {shape: [..],
+  dtype: float32}}``): the coder runs the function and each candidate in a sandboxed child and writes
+  in the first one whose outputs and input gradients agree (agents/coder/semantic_match.py).
 
 - ``statements``: a sequence of statement patterns matched against consecutive statements of one
   block inside the span (a metavariable binds the same code in every statement it appears in)::
@@ -200,13 +204,15 @@ class Numerics(_Model):
     rtol: float | None = Field(default=None, ge=0)
     atol: float | None = Field(default=None, ge=0)
     loss_rtol: float | None = Field(default=None, ge=0, description="relative loss drift allowed over the check steps")
+    grad_cosine_min: float | None = Field(default=None, gt=0, le=1, description="per-parameter gradient cosine floor, "
+                                          "when the gate's default (0.9999) is tighter than the rewrite's rounding allows")
 
     @model_validator(mode="after")
     def _check_class(self) -> "Numerics":
         if self.class_ == "tolerance" and (self.rtol is None or self.atol is None):
             raise ValueError("class 'tolerance' needs rtol and atol")
-        if self.class_ == "exact" and any(v is not None for v in (self.rtol, self.atol, self.loss_rtol)):
-            raise ValueError("class 'exact' takes no rtol/atol/loss_rtol")
+        if self.class_ == "exact" and any(v is not None for v in (self.rtol, self.atol, self.loss_rtol, self.grad_cosine_min)):
+            raise ValueError("class 'exact' takes no rtol/atol/loss_rtol/grad_cosine_min")
         return self
 
 

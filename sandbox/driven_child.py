@@ -62,6 +62,7 @@ class ChildSpec:
     stderr_path: Path
     fork_pool: Any = None  # a sandbox/fork_server.py ForkPool: fork the child from a warm server (None: exec `argv`)
     memory_limit_mb: int | None = None  # the cap `preexec_fn` applies, for a forked child
+    ranks: int = 1  # > 1: a torchrun group of ranks (sandbox/rank_group.py), argv starts its supervisor
 
 
 @dataclass
@@ -81,6 +82,16 @@ class DriveOutcome:
     returncode: int | None = None
     timed_out: bool = False
     interrupted: str | None = None  # ran beside another child whose fault ended both plans: why
+
+
+def record_step(out: DriveOutcome, phase: str, elapsed: float, loss: float) -> None:
+    """A timed step's wall time and loss into the outcome's list for its phase (warmup, measured, cooldown)."""
+    if phase == "cooldown":
+        out.cooldown_times_s.append(elapsed)
+        out.cooldown_losses.append(loss)
+    else:
+        (out.warmup_times_s if phase == "warmup" else out.step_times_s).append(elapsed)
+        out.losses.append(loss)
 
 
 class ChildStopped(Exception):
@@ -197,24 +208,23 @@ class DrivenChild:
         loss, inner = float(reply["loss"]), float(reply.get("inner_s", math.nan))
         out.inner_times_s.append(inner)
         out.clock_pairs.append((started / 1e9 + elapsed, float(reply.get("clock", math.nan))))
-        if phase == "cooldown":
-            out.cooldown_times_s.append(elapsed)
-            out.cooldown_losses.append(loss)
-        else:
-            (out.warmup_times_s if phase == "warmup" else out.step_times_s).append(elapsed)
-            out.losses.append(loss)
+        record_step(out, phase, elapsed, loss)
         if not math.isfinite(loss):
             done = len(out.inner_times_s)
             raise _ChildFailed(Failure(kind=FailureKind.nonfinite_loss, message=f"step {done - 1} returned a non-finite loss ({loss})",
                                        step=done - 1))
         return elapsed
 
+    def request_final(self, deadline: float) -> None:
+        """`final` (each parameter's change since `mark`), when the plan asks for it."""
+        if self.spec.plan.deltas_path is not None:
+            self.send({"op": "final", "deltas_path": str(self.spec.plan.deltas_path)})
+            self.out.final = self.expect("final", deadline)
+
     def finish(self, deadline: float) -> None:
         """`final` (when planned), `exit`, and the closing message."""
         out, watch = self.out, self.out.watch
-        if self.spec.plan.deltas_path is not None:
-            self.send({"op": "final", "deltas_path": str(self.spec.plan.deltas_path)})
-            out.final = self.expect("final", deadline)
+        self.request_final(deadline)
         self.send({"op": "exit"})
         assert self.channel is not None
         closing = self.channel.recv(deadline)

@@ -222,11 +222,15 @@ def _script_child(workload: Workload, target: Backend, mode: str, plan: StepPlan
         raise ValueError("mode 'gate' needs a StepPlan (its batch indices, probe and parameter deltas)")
     if mode == "profile":
         plan, setup.request["profile"] = script_run.profile_plan(config.warmup_steps, config.steps)
+    if mode == "capture":  # the torch.compile reference over the script's own steps (sandbox/script_capture.py)
+        plan, setup.request["capture"] = script_run.capture_plan(config.steps, int(setup.request.get("timed_steps", 0)))
     plan = plan or StepPlan.sequential(config.warmup_steps, config.steps)
     base.warmup_steps = len(plan.warmup)
-    spec = ChildSpec(argv=[*isolation.prefix, sys.executable, "-m", script_run.LAUNCHER_MODULE], request=setup.request, plan=plan,
+    ranks = setup.spec.nproc  # torchrun --nproc_per_node N > 1: the rank supervisor starts N launchers (sandbox/rank_group.py)
+    module = script_run.RANKS_MODULE if ranks > 1 else script_run.LAUNCHER_MODULE
+    spec = ChildSpec(argv=[*isolation.prefix, sys.executable, "-m", module], request=setup.request, plan=plan,
                      cwd=setup.run_dir.cwd, env=env, preexec_fn=limit_memory(memory_limit_mb), timeout_s=config.timeout_s,
-                     stdout_path=tmp_dir / "stdout.txt", stderr_path=tmp_dir / "stderr.txt")
+                     stdout_path=tmp_dir / "stdout.txt", stderr_path=tmp_dir / "stderr.txt", ranks=max(1, ranks))
     return spec, base, setup
 
 

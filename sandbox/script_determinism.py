@@ -53,12 +53,14 @@ def likely_causes(script_source: str, first: RunResult, second: RunResult) -> li
     return causes
 
 
-def check_repeatable(workload: Workload, *, backend: str = "cpu", run=None) -> DeterminismReport:
-    """Run the workload twice with its seed; compare the losses bit for bit. `run`: the runner (tests)."""
+def check_repeatable(workload: Workload, *, backend: str = "cpu", run=None, first: RunResult | None = None) -> DeterminismReport:
+    """Run the workload twice with its seed; compare the losses bit for bit. `first`: a run of it already made
+    (the run's baseline measurement), so only one more is needed. `run`: the runner (tests)."""
     from trainbridge.sandbox.runner import run_workload
 
     run = run or run_workload
-    first, second = run(workload, backend=backend), run(workload, backend=backend)
+    first = first if first is not None else run(workload, backend=backend)
+    second = run(workload, backend=backend)
     for result in (first, second):
         if result.failure is not None:
             raise RuntimeError(f"the repeatability check could not run the workload ({result.failure.kind}): {result.failure.message}")

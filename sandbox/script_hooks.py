@@ -15,7 +15,7 @@ At each boundary the `StepController` answers the parent's pending command (sand
 protocol: the `step` reply carries the loss and the child's own time) and blocks reading the next
 one, so the parent's clock times exactly one optimizer step per command. The first boundary is the
 first backward: the model is built by then, and the child says `ready` (asked for the torch.compile
-arm, it first compiles the modules whose parameters the optimizers hold: `compile_trained_modules`). `probe` runs as many
+arm, it first compiles the forward of the modules whose parameters the optimizers hold: `compile_trained_modules`). `probe` runs as many
 untimed steps as it has batch indices, capturing the first step's gradients in the optimizer
 pre-hook (sandbox/numerics_probe.py's file and report format); `mark` / `final` cover every
 parameter of every optimizer. `exit` sends the closing result and ends the process at once
@@ -26,6 +26,7 @@ The batch index of a `step` command cannot choose a script's data: the seed does
 from __future__ import annotations
 
 import gc
+import types
 import warnings
 import math
 import time
@@ -98,20 +99,38 @@ def tracked_params() -> list[tuple[str, Any]]:
     return out
 
 
-def compile_trained_modules() -> list[str]:
-    """`module.compile()` on every root module that holds an optimizer's parameters (a script that compiles its model
-    itself keeps its own torch.compile wrapper); the class names of what was compiled."""
+def live_optimizers() -> list[Any]:
+    """Every live optimizer, in order of creation."""
+    import torch
+
+    return _instances(live_objects(), torch.optim.Optimizer)
+
+
+def trained_root_modules() -> list[Any]:
+    """Every root module (no live module holds it as a child) that holds a parameter of a live optimizer."""
     import torch
 
     objects = live_objects()
     held = {id(p) for o in _instances(objects, torch.optim.Optimizer) for g in o.param_groups for p in g["params"]}
     modules = _instances(objects, torch.nn.Module)
     children = {id(child) for module in modules for child in module.children()}
+    return [root for root in modules if id(root) not in children and any(id(p) in held for p in root.parameters())]
+
+
+def compile_trained_modules() -> list[str]:
+    """torch.compile the `forward` of every root module that holds an optimizer's parameters, in place (a script that
+    compiles its model itself keeps its own torch.compile wrapper); the class names of what was compiled.
+    Not `module.compile()`: under torch 2.13, `torch.compile(module._call_impl)` hands `_call_impl` back unwrapped, so
+    `module.compile()` compiles nothing (Dynamo never sees a frame)."""
+    import torch
+
     compiled = []
-    for root in (m for m in modules if id(m) not in children):
-        if hasattr(root, "_orig_mod") or not any(id(p) in held for p in root.parameters()):
+    for root in trained_root_modules():
+        if hasattr(root, "_orig_mod") or "forward" in vars(root):  # compiled by the script, or by us already
             continue
-        root.compile()
+        # the class's function, bound again: a compiled bound method would be wrapped in Dynamo's shared `inner`
+        # frame, so a second module's compile would show as a recompile of the first
+        root.forward = types.MethodType(torch.compile(type(root).forward), root)
         compiled.append(type(root).__name__)
     return compiled
 
@@ -178,8 +197,11 @@ class StepController:
     `close(failure)` sends the closing result and ends the process (it never returns)."""
 
     def __init__(self, channel, backend, *, check_ready: Callable[[], list[str]], close: Callable[[dict | None], None],
-                 compile_modules: bool = False, profile: dict[str, Any] | None = None, repo_root: Path | None = None):
+                 compile_modules: bool = False, profile: dict[str, Any] | None = None, repo_root: Path | None = None,
+                 capture: Any = None, loss_sources: Any = None):
         self.channel, self.backend = channel, backend
+        self.loss_sources = loss_sources  # sandbox/script_loss.LossSources: backward, unscaled, or the printed loss
+        self.capture = capture  # harness mode "capture": sandbox/script_capture.ScriptCapture
         self.profile, self.repo_root = profile, repo_root  # profile: {"start": step command number, "steps": how many}
         self.recorder: Any = None
         self.step_commands = 0
@@ -191,6 +213,8 @@ class StepController:
         self.steps_done = 0  # completed optimizer steps (boundaries after the first)
         self.stepped: list[Any] = []  # optimizers that stepped since the last boundary, in order
         self.loss_parts: list[Any] = []
+        self.loss_values: list[Any] = []  # their values when backward was called (a script may change the tensor in place later,
+                                          # e.g. all_reduce of the loss for logging: the loss is what backward saw)
         self._loss_objects: list[Any] = []
         self.pending: _Pending | None = None
         self.probe: _Probe | None = None
@@ -209,6 +233,7 @@ class StepController:
         for tensor in (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors or ()):
             if isinstance(tensor, torch.Tensor) and tensor.numel() == 1:
                 self.loss_parts.append(tensor)
+                self.loss_values.append(tensor.detach().clone())
 
     def on_optimizer_pre(self, optimizer, args, kwargs) -> None:
         if not self.started:
@@ -236,6 +261,8 @@ class StepController:
             self.close({"kind": "bad_workload", "message": "; ".join(problems)})
         if self.compile_modules:  # the torch.compile arm: the first forward ran eager, every step from here compiled
             self.compiled = compile_trained_modules()
+        if self.capture is not None:
+            self.capture.first_boundary()
         self.channel.send({"op": "ready"})
         self._serve()
 
@@ -258,6 +285,8 @@ class StepController:
         elif self.pending is not None:
             pending, self.pending = self.pending, None
             self.inner_times_s.append(now - pending.started)
+            if self.capture is not None:
+                self.capture.window_ended(self.step_commands - 1, now - pending.started, loss)
             # NaN/inf travel as JSON's NaN/Infinity, as in step_server
             self.channel.send({"op": "step", "index": pending.index, "loss": loss, "inner_s": now - pending.started, "clock": now})
         self._serve()
@@ -266,10 +295,13 @@ class StepController:
         import torch
 
         parts, self.loss_parts = self.loss_parts, []
+        values, self.loss_values = self.loss_values, []
         self._loss_objects = parts
+        if self.loss_sources is not None:
+            return self.loss_sources.step_loss(parts, values)
         if not parts:
             return math.nan
-        total = torch.stack([p.detach().float().reshape(()).cpu() for p in parts]).sum()
+        total = torch.stack([v.float().reshape(()).cpu() for v in values]).sum()
         return float(total.item())
 
     def _serve(self) -> None:
@@ -283,6 +315,8 @@ class StepController:
                 self.close(self._ended_early(f"the {op} command"))
             elif op == "step":
                 self._maybe_record()
+                if self.capture is not None:
+                    self.capture.window_started(self.step_commands)
                 self.step_commands += 1
                 self.pending = _Pending(index=int(command["index"]), started=time.perf_counter())
                 return

@@ -4,8 +4,10 @@ A launch line is what the repository's authors type: an interpreter, the script 
 and its arguments. TrainBridge runs it as an argument list, so shell syntax (``&&``, ``|``, ``;``,
 redirections, ``$VAR``, backticks, ``VAR=value`` prefixes) cannot mean what it means in a shell and
 is refused with a message saying what to do instead. ``torchrun`` lines parse; one process
-(``--nproc_per_node=1``) runs with the environment torchrun would give it (`single_torchrun_env`), more
-are refused at run time as not supported yet (`LaunchSpec.multi_process`).
+(``--nproc_per_node=1``) runs with the environment torchrun would give it (`single_torchrun_env`);
+several on one node (``--nproc_per_node 2``, ``--nproc-per-node=2``, with or without ``--standalone``)
+run as a group of ranks (sandbox/rank_supervisor.py), each with torchrun's environment (`torchrun_env`);
+several nodes are refused (`LaunchSpec.launch_problem`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ PYTHON_NAMES = re.compile(r"^(?:.*/)?python(?:3(?:\.\d+)?)?$")
 TORCHRUN_NAMES = ("torchrun",)
 SHELL_OPERATORS = ("&&", "||", "|", ";", ">", "<", "&", "(", ")")
 _ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+MAX_RANKS = 8  # ranks of one group on one machine
 _PYTHON_FLAGS_WITHOUT_VALUE = {"-u", "-O", "-OO", "-B", "-s", "-S", "-E", "-I", "-q", "-b", "-bb", "-v"}
 
 
@@ -34,17 +37,43 @@ class LaunchSpec:
     module: str | None = None
     args: list[str] = field(default_factory=list)
     interpreter_flags: list[str] = field(default_factory=list)
-    launcher: str = "python"  # or "torchrun" (one process runs; multi-process: not run yet)
+    launcher: str = "python"  # or "torchrun" (one process with its environment, or a group of ranks: `nproc`)
     launcher_args: list[str] = field(default_factory=list)
 
     @property
     def multi_process(self) -> bool:
-        """More than one process: a torchrun line with --nproc_per_node above 1 or several nodes (not run yet).
-        `torchrun --standalone --nproc_per_node=1 train.py` is one process and runs, with torchrun's environment."""
+        """More than one process: a torchrun line with --nproc_per_node above 1 or several nodes.
+        `torchrun --standalone --nproc_per_node=1 train.py` is one process, with torchrun's environment."""
         if self.launcher == "python":
             return False
         options = torchrun_options(self.launcher_args)
         return options.get("nproc_per_node", "1") != "1" or options.get("nnodes", "1") not in ("1", "1:1")
+
+    @property
+    def nproc(self) -> int:
+        """How many ranks run on this node (1 for python lines and torchrun's default); 0 when the line's value is not
+        a number of processes (`launch_problem` says so)."""
+        if self.launcher == "python":
+            return 1
+        value = torchrun_options(self.launcher_args).get("nproc_per_node", "1")
+        return int(value) if value.isdigit() else 0
+
+    def launch_problem(self) -> str | None:
+        """Why this line cannot run as a group of ranks on this machine (None: it can)."""
+        if self.launcher == "python":
+            return None
+        target = self.script or "-m " + (self.module or "")
+        options = torchrun_options(self.launcher_args)
+        if options.get("nnodes", "1") not in ("1", "1:1"):
+            return (f"launch line {self.line!r}: several nodes (--nnodes={options['nnodes']}) are not supported in script mode; "
+                    f"run the ranks of one node: launch = \"torchrun --standalone --nproc_per_node=2 {target} ...\"")
+        if self.nproc < 1:
+            return (f"launch line {self.line!r}: --nproc_per_node={options.get('nproc_per_node')!r} is not a number of processes; "
+                    f"write it, e.g. launch = \"torchrun --standalone --nproc_per_node=2 {target} ...\" (2 gloo ranks on the CPU)")
+        if self.nproc > MAX_RANKS:
+            return (f"launch line {self.line!r}: {self.nproc} processes per node; script mode runs at most {MAX_RANKS} ranks on one "
+                    f"machine. Lower --nproc_per_node (e.g. 2) and shrink the run with [overrides]")
+        return None
 
     def argv0(self) -> str:
         """What the script sees as sys.argv[0]: its path as written, or the module's name."""
@@ -149,6 +178,20 @@ def torchrun_options(launcher_args: list[str]) -> dict[str, str]:
 def single_torchrun_env(master_port: int) -> dict[str, str]:
     """The environment torchrun gives its one worker (`--standalone --nproc_per_node=1`): a script that reads
     RANK / LOCAL_RANK / WORLD_SIZE and calls init_process_group() runs as rank 0 of a world of 1."""
-    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
-            "ROLE_RANK": "0", "ROLE_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
-            "TORCHELASTIC_RUN_ID": "trainbridge"}
+    return torchrun_env(0, 1, master_port)
+
+
+def torchrun_env(rank: int, world_size: int, master_port: int) -> dict[str, str]:
+    """The environment torchrun gives worker `rank` of `world_size` on one node (`--standalone`): the names
+    torch.distributed's env:// rendezvous reads, and the TORCHELASTIC_* ones elastic agents set (no restarts here)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+            "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
+            "TORCHELASTIC_RUN_ID": "trainbridge", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_USE_AGENT_STORE": "False"}
+
+
+def rank_threads(threads: int, ranks: int) -> int:
+    """Torch threads per rank: the run's threads shared among its ranks (torchrun itself sets OMP_NUM_THREADS=1 for
+    several workers), at least one."""
+    return max(1, threads // max(1, ranks))

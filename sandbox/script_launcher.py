@@ -26,6 +26,9 @@ import types
 from pathlib import Path
 from typing import Any
 
+from trainbridge.sandbox.loopback import free_port as _free_port
+from trainbridge.sandbox.loopback import loopback_up as _loopback_up
+
 TRACEBACK_TAIL_CHARS = 4000
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _PATH_EVENTS = {"os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.replace": (0, 1), "os.truncate": (0,),
@@ -93,34 +96,6 @@ def script_code(spec: dict[str, Any], root: Path, plan) -> tuple[Any, types.Modu
     return compile_source(source, str(path), plan, is_script=True), main
 
 
-def _free_port() -> int:
-    """A TCP port on 127.0.0.1 nothing listens on now (torchrun's MASTER_PORT for a world of one)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _loopback_up() -> str | None:
-    """Bring up the loopback interface of the sandbox's own network namespace (`unshare --net` leaves it down),
-    so a process group of one can form over 127.0.0.1; nothing outside the namespace becomes reachable.
-    Returns a note when it could not (then init_process_group waits until the timeout)."""
-    import fcntl
-    import socket
-    import struct
-
-    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            flags = struct.unpack("16sh", fcntl.ioctl(probe, siocgifflags, struct.pack("16sh", b"lo", 0)))[1]
-            if not flags & iff_up:
-                fcntl.ioctl(probe, siocsifflags, struct.pack("16sh", b"lo", flags | iff_up))
-    except OSError as exc:
-        return f"the loopback interface could not be brought up ({exc}): a torchrun process group may not form"
-    return None
-
-
 class ScriptNotFound(FileNotFoundError):
     """The launch line's script or module is not in the repository."""
 
@@ -165,6 +140,17 @@ def _from_subprocess(exc: BaseException) -> bool:
     return False
 
 
+def _loss_sources(request: dict[str, Any]):
+    """Each step's loss: backward's scalars (GradScaler's scaling undone), or the printed loss (sandbox/script_loss.py)."""
+    from trainbridge.sandbox.script_loss import LoggedLoss, LossSources, install_scaler_hook
+
+    pattern = request.get("loss_pattern")
+    logged = LoggedLoss(pattern, preferred=bool(request.get("loss_pattern_preferred"))).install() if pattern else None
+    sources = LossSources(logged)
+    install_scaler_hook(sources)
+    return sources
+
+
 def execute(channel) -> None:
     """Serve one run (see the module doc); ends the process itself after the closing result."""
     from trainbridge.sandbox.backends import Backend
@@ -176,9 +162,15 @@ def execute(channel) -> None:
     from trainbridge.sandbox.script_launch import single_torchrun_env
 
     request = channel.recv()
-    state: dict[str, Any] = {"guard": None, "controller": None, "seeds": None, "backend": None}
+    state: dict[str, Any] = {"guard": None, "controller": None, "seeds": None, "backend": None, "capture": None}
 
     def close(failure: dict | None) -> None:
+        evidence: dict[str, Any] = {}
+        if state["capture"] is not None and failure is None:  # harness mode "capture": the evidence folder is written now
+            try:
+                evidence = state["capture"].finish()
+            except Exception as exc:
+                failure = failure_record("crashed", f"writing the torch.compile evidence failed: {type(exc).__name__}: {exc}", exc)
         result: dict[str, Any] = {"op": "result", "versions": {}, "failure": failure}
         try:
             import torch
@@ -191,9 +183,12 @@ def execute(channel) -> None:
             controller, seeds = state["controller"], state["seeds"]
             if controller is not None and failure is None and controller.recorder is not None:
                 result["extra"] = controller.eager_ops()
+            if evidence:
+                result["extra"] = {**(result.get("extra") or {}), **evidence}
             result["script"] = {"steps_done": controller.steps_done if controller else 0,
                                 "optimizers_per_step": controller.optimizer_count if controller else 0,
                                 "compiled": controller.compiled if controller else [],
+                                "loss_sources": controller.loss_sources.summary() if controller and controller.loss_sources else {},
                                 "seed_calls": seeds.calls[:50] if seeds else [], "argv": list(sys.argv)}
         except Exception as exc:  # reporting must not hide the run's own outcome
             result.setdefault("notes", []).append(f"could not read versions, the guard or the profile: {type(exc).__name__}: {exc}")
@@ -221,16 +216,21 @@ def execute(channel) -> None:
         if not spec.get("script"):
             sys.path.insert(1, str(root))
         sys.argv = [spec["script"] or spec["module"], *apply_argv(spec.get("args", []), request.get("overrides", {}))]
-        if spec.get("launcher") == "torchrun":  # one process (more are refused before the child starts)
-            note = _loopback_up()
+        if spec.get("launcher") == "torchrun" and "WORLD_SIZE" not in os.environ:  # one process; a rank of a group
+            note = _loopback_up()                     # has torchrun's environment from sandbox/rank_supervisor.py
             if note:
                 print(f"trainbridge: {note}", file=sys.stderr)
             os.environ.update(single_torchrun_env(_free_port()))
         seeds = state["seeds"] = SeedControl(int(request["seed"])).install()
         seeds.seed_everything()
+        if request.get("capture"):  # the torch.compile reference (sandbox/script_capture.py): open before the script runs
+            from trainbridge.sandbox.script_capture import ScriptCapture
+
+            state["capture"] = ScriptCapture(Path(request["evidence_dir"]), request["capture"], root).begin()
         controller = state["controller"] = StepController(channel, backend, check_ready=plan.unmatched, close=close,
                                                      compile_modules=bool(request.get("compile")), profile=request.get("profile"),
-                                                     repo_root=Path(request["root"]))
+                                                     repo_root=Path(request["root"]), capture=state["capture"],
+                                                     loss_sources=_loss_sources(request))
         install_step_hooks(controller)
         state["guard"] = Guard().capture()  # after our own wrappers: what the script replaces shows in the result
         code, main = script_code(spec, root, plan)

@@ -8,18 +8,21 @@ failures of a script (a timeout before any step, an early exit) into messages th
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
+from trainbridge.sandbox.script_capture import capture_plan  # noqa: F401 - harness mode "capture": the runner asks script_run for its steps
 from trainbridge.sandbox.script_files import DataPathError, RunDir, make_run_dir, snapshot
 from trainbridge.sandbox.script_launch import LaunchSpec, parse_launch
-from trainbridge.sandbox.workload import Workload
+from trainbridge.sandbox.workload import DEFAULT_LOSS_PATTERN, Workload
 
 LAUNCHER_MODULE = "trainbridge.sandbox.script_launcher"
+RANKS_MODULE = "trainbridge.sandbox.rank_supervisor"  # torchrun with several ranks (sandbox/rank_group.py)
 OUTPUT_TAIL_CHARS = 2000
-SCRIPT_MODES = ("measure", "gate", "profile")
+SCRIPT_MODES = ("measure", "gate", "profile", "capture")
 PROFILE_TIMED_STEPS = 3  # unprofiled steps timed before the recorded ones, as tools/eager_profile.record_eager_ops does
 
 
@@ -50,26 +53,31 @@ def prepare(workload: Workload, *, backend: str, mode: str, tmp_dir: Path, extra
     if problem:
         return Failure(kind=FailureKind.bad_workload, message=problem)
     if mode not in SCRIPT_MODES:
-        return Failure(kind=FailureKind.bad_workload, message=f"harness mode {mode!r} is not available in script mode yet; script "
-                       "mode measures, gates and profiles the eager step. For the torch.compile reference, run the analysis "
-                       "with --no-reference, or add an entry = \"module:function\" to trainbridge.toml (precise mode)")
+        return Failure(kind=FailureKind.bad_workload, message=f"harness mode {mode!r} is not available in script mode; script "
+                       f"mode runs {', '.join(SCRIPT_MODES)}. Add an entry = \"module:function\" to trainbridge.toml (precise "
+                       "mode) for the others")
+    if "loss" not in re.compile(config.loss_pattern).groupindex:
+        return Failure(kind=FailureKind.bad_workload, message=f"loss_pattern {config.loss_pattern!r} of trainbridge.toml needs a named "
+                       "group (?P<loss>...) around the number, e.g. loss_pattern = 'train_loss=(?P<loss>[-+0-9.eE]+)'")
     try:
         run_dir = make_run_dir(workload.root, config.data, tmp_dir / "cwd")
     except DataPathError as exc:
         return Failure(kind=FailureKind.bad_workload, message=str(exc))
     request = {"mode": mode, "root": str(workload.root), "launch": spec.to_json(), "overrides": config.overrides,
                "pythonpath": config.pythonpath, "backend": backend, "seed": config.seed, "threads": config.threads,
-               "protected": [str(p) for p in run_dir.protected], **(extra_request or {})}
+               "protected": [str(p) for p in run_dir.protected],
+               # the printed loss: the fallback when backward() saw no scalar, the source when the toml sets its own pattern
+               "loss_pattern": config.loss_pattern, "loss_pattern_preferred": config.loss_pattern != DEFAULT_LOSS_PATTERN,
+               **(extra_request or {})}
     return ScriptSetup(request=request, run_dir=run_dir, spec=spec, data_before=snapshot(list(run_dir.data_sources.values())))
 
 
 def launch_problem(workload: Workload) -> str | None:
     """Why the workload's launch line cannot run here, before anything starts (None: it can)."""
     spec = parse_launch(workload.config.launch or "")
-    if spec.multi_process:
-        return (f"launch line {spec.line!r}: multi-process launches ({spec.launcher}) are not supported yet in script mode; run one "
-                f"process for now: launch = \"torchrun --standalone --nproc_per_node=1 {spec.script or '-m ' + (spec.module or '')} ...\" "
-                f"(torchrun's environment, a world of one) or launch = \"python {spec.script or '-m ' + (spec.module or '')} ...\"")
+    problem = spec.launch_problem()
+    if problem:
+        return problem
     if spec.script is not None and not (workload.root / spec.script).is_file():
         near = sorted(p.name for p in workload.root.glob("*.py"))[:8]
         return (f"script {spec.script!r} of launch line {spec.line!r} not found in {workload.root}"

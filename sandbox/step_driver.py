@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from trainbridge.sandbox import proc_watch
 from trainbridge.sandbox.driven_child import ChildSpec, ChildStopped, DrivenChild, DriveOutcome, StepPlan
+from trainbridge.sandbox.rank_group import child_for
 
 __all__ = ["ChildSpec", "DriveOutcome", "StepPlan", "drive", "drive_pair"]
 
@@ -36,7 +37,7 @@ __all__ = ["ChildSpec", "DriveOutcome", "StepPlan", "drive", "drive_pair"]
 def drive(spec: ChildSpec, *, on_progress: Callable[[int], None] | None = None) -> DriveOutcome:
     """Run one child through `spec.plan`; never raises for the child's faults."""
     reaper = proc_watch.become_subreaper()
-    child = DrivenChild(spec, reaper=reaper)
+    child = child_for(spec, reaper=reaper)
     if not child.start():
         return child.out
     deadline = time.monotonic() + spec.timeout_s
@@ -69,7 +70,7 @@ def drive_pair(first: ChildSpec, second: ChildSpec, *, orphans_to: int = 1,
     if [p for p, _ in timed[0]] != [p for p, _ in timed[1]]:
         raise ValueError("drive_pair needs two plans with the same warm-up, measured and cool-down lengths")
     reaper = proc_watch.become_subreaper()
-    children = [DrivenChild(spec, reaper=reaper, claims_orphans=(i == orphans_to)) for i, spec in enumerate((first, second))]
+    children = [child_for(spec, reaper=reaper, claims_orphans=(i == orphans_to)) for i, spec in enumerate((first, second))]
     # started in a random order: which one starts first (visible to both in /proc) says nothing about the round
     launch = children if random.SystemRandom().random() < 0.5 else children[::-1]
     started = [c for c in launch if c.start()]

@@ -124,6 +124,22 @@ CASES: list[Case] = [
     Case("permute-reshape-npu-confusion-transpose", "real_speedrun", "npu", "permute_reshape"),  # reshape(B, T, -1)
     Case("rope-chunk-npu-rotary-mul", "real_speedrun", "npu", "rope", expect="diverges",
          mutate=("-torch.cat(($s, $s)", "torch.cat(($s, $s)")),  # the rotation's direction: r2 = -sin
+    # QK-norm decoder under bf16 autocast (speedrun-record style): two F.rms_norm in one tuple assignment,
+    # rotary on sliced halves in named statements, SDPA on transposed views
+    Case("rmsnorm-library-npu", "variant_qknorm", "npu", "rmsnorm", scan_target="npu"),  # q, k = F.rms_norm(q, ..), F.rms_norm(k, ..)
+    Case("rmsnorm-library-npu", "variant_qknorm", "npu", "rmsnorm", nth=2, scan_target="npu"),  # inside self.up(...) in a call chain
+    Case("rope-halves-npu-rotary-mul", "variant_qknorm", "npu", "rope"),
+    Case("attention-sdpa-npu-fusion", "variant_qknorm", "npu", "attention", scan_target="npu"),
+    Case("rope-function-npu-rotary-mul", "variant_qknorm", "npu", function="net.py:rotate_pairs"),  # by behaviour
+    Case("rope-complex-npu-rotary-mul", "variant_polar", "npu", "rope"),  # view_as_complex(x) * polar freqs, by behaviour
+    Case("rope-halves-npu-rotary-mul", "variant_qknorm", "npu", "rope", expect="diverges",
+         mutate=("-torch.cat(($s, $s)", "torch.cat(($s, $s)")),  # the rotation's direction: r2 = -sin
+    Case("rope-halves-npu-rotary-mul", "variant_qknorm", "npu", "rope", expect="diverges",
+         mutate=("torch.cat(($c, $c), dim=-1)", "$c.repeat_interleave(2, dim=-1)")),  # per-half tables, not pairwise
+    Case("attention-sdpa-npu-fusion", "variant_qknorm", "npu", "attention", scan_target="npu", expect="diverges",
+         mutate=("atten_mask=atten_mask, scale=scale,", "atten_mask=atten_mask,")),  # npu_fusion_attention's scale defaults to 1.0
+    Case("attention-sdpa-npu-fusion", "variant_qknorm", "npu", "attention", scan_target="npu", expect="diverges",
+         mutate=("_tb_npu_causal_mask(query.device), 0, 2", "None, 2147483647, 0")),  # is_causal dropped: dense attention
     # --- the documented traps, each put back into a recipe: the numerics check must reject them ----
     Case("attention-sdpa-masked", "variant_clip", "cpu", "attention", expect="diverges",
          mutate=("attn_mask=torch.logical_not($m)", "attn_mask=$m")),  # SDPA's True = keep

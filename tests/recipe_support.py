@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from trainbridge.agents.coder.semantic_match import apply_semantically, probes
 from trainbridge.agents.analyst.static.scan import scan_repo
 from trainbridge.knowledge.schema import Recipe, load_recipe_dir
 from trainbridge.knowledge.store import SEED_DIR
@@ -143,7 +144,7 @@ class Case:
     expect: str = "match"  # "match": same numerics; "refused": the engine refuses; "fails": the run fails
     # loudly; "diverges": (a deliberately broken recipe) runs but the numerics check rejects it
     expect_error: str = ""  # for "fails": a regular expression the child's error must match
-    mutate: tuple[str, str] | None = None  # (old, new) text replaced in the recipe's replacement: a broken recipe
+    mutate: tuple[str, str] | None = None  # (old, new) text replaced in the recipe's replacement (else its define): a broken recipe
     slow: bool = False
     scan_target: str | None = None  # the target the scanner reports for (None: target-independent findings only)
 
@@ -159,9 +160,13 @@ class Case:
         if self.mutate is None:
             return recipe
         old, new = self.mutate
-        assert old in recipe.replacement, f"mutation {old!r} not in {recipe.id}'s replacement"
-        return Recipe.model_validate({**recipe.model_dump(mode="json", by_alias=True),
-                                      "replacement": recipe.replacement.replace(old, new)})
+        data = recipe.model_dump(mode="json", by_alias=True)
+        if old in recipe.replacement:
+            return Recipe.model_validate({**data, "replacement": recipe.replacement.replace(old, new)})
+        define = str(recipe.match.params.get("define") or "")  # a trap inside the helper the recipe defines
+        assert old in define, f"mutation {old!r} not in {recipe.id}'s replacement or define"
+        data["match"]["params"]["define"] = define.replace(old, new)
+        return Recipe.model_validate(data)
 
 
 def examples(*cases: Case) -> list[Case]:
@@ -214,8 +219,11 @@ def apply_case(case: Case, folder: Path) -> Applied:
         try:
             edit = apply_recipe(source, recipe, span)
         except CodemodRefused as refused:
-            applied.refusals.append(str(refused))
-            continue
+            edit, why = apply_semantically(source, span, recipe, root=folder) if probes(recipe) else (None, "")
+            if edit is None:  # as the coder does: a recipe matched by behaviour runs the region first
+                applied.refusals.append(str(refused) + (f"; by behaviour: {why}" if why else ""))
+                continue
+            edit.notes.append(why)
         compile(edit.source, str(path), "exec")  # must parse
         path.write_text(edit.source)
         applied.file, applied.before, applied.after, applied.notes = span.file, source, edit.source, edit.notes

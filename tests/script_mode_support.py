@@ -62,3 +62,17 @@ def commit_all(repo: Path) -> None:
 
 def stdout_lines(result, prefix: str) -> list[str]:
     return [line for line in result.stdout_tail.splitlines() if line.startswith(prefix)]
+
+
+def ddp_repo(path: Path, toml: str | None = None, *, commit: bool = False) -> Path:
+    """The torchrun DDP fixture (its train.py and README, the nanoGPT fixture's model.py), token data written;
+    `toml` as its trainbridge.toml (None: none, as a user who has not run init yet)."""
+    shutil.copytree(FIXTURES / "ddp", path, ignore=shutil.ignore_patterns("__pycache__", "data", "out"))
+    shutil.copy(FIXTURES / "nanogpt" / "model.py", path / "model.py")
+    if toml is not None:
+        (path / "trainbridge.toml").write_text(toml, encoding="utf-8")
+    write_tokens(path)
+    if commit:
+        (path / ".gitignore").write_text("data/\nout/\n", encoding="utf-8")
+        commit_all(path)
+    return path

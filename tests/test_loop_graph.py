@@ -187,7 +187,9 @@ def test_route_after_decide():
     assert nodes.route_after_decide({**after_accept, "low_gain_rounds": 2}, _runtime(low_gain_rounds_to_stop=2)) == "report"
 
 
-@pytest.mark.parametrize("target, expected", [("cpu", ["compile-regional"]), ("npu", ["rope-npu-rotary-mul", "rope-chunk-npu-rotary-mul"])])
+@pytest.mark.parametrize("target, expected", [("cpu", ["compile-regional"]), ("npu", [
+    "rope-function-npu-rotary-mul", "rope-complex-npu-rotary-mul", "rope-npu-rotary-mul", "rope-chunk-npu-rotary-mul",
+    "rope-halves-npu-rotary-mul"])])
 def test_retrieval_falls_back_to_a_regional_compile_only_without_a_recipe(tmp_path, target, expected):
     rope = {"id": "rope-1", "category": "rope", "spans": [{"file": "model.py", "line_start": 51, "line_end": 52}],
             "confidence": 0.9, "source": "runtime"}

@@ -334,11 +334,13 @@ def test_run_port_copies_into_empty_out_dir_and_never_touches_the_repo(tmp_path)
     before = {p.name: p.read_bytes() for p in repo.iterdir() if p.is_file()}
     outcome = run_port(repo, to="npu", out_dir=tmp_path / "ported")
     assert {p.name: p.read_bytes() for p in repo.iterdir() if p.is_file()} == before
-    assert outcome.files_written == ["train.py"]
+    # the example's torchrun variant (train_ddp.py: nccl, cuda devices) is ported too
+    assert outcome.files_written == ["train.py", "train_ddp.py"]
+    assert "hccl" in (tmp_path / "ported" / "train_ddp.py").read_text()
     assert (tmp_path / "ported" / "trainbridge.toml").read_bytes() == before["trainbridge.toml"]
     assert "torch.npu.synchronize()" in (tmp_path / "ported" / "train.py").read_text()
     report = json.loads(outcome.report_json.read_text())
-    assert report["files_written"] == ["train.py"] and len(report["changes"]) == len(outcome.result.changes)
+    assert report["files_written"] == ["train.py", "train_ddp.py"] and len(report["changes"]) == len(outcome.result.changes)
     assert "## Changes" in outcome.report_md.read_text()
     with pytest.raises(PortError, match="overlaps the repository"):
         run_port(repo, out_dir=repo / "ported")

@@ -110,7 +110,8 @@ def test_epoch_loop_with_two_optimizers_and_a_scheduler(tmp_path):
 @pytest.mark.parametrize("script, toml, kind, says", [
     ("never_steps.py", 'launch = "python train.py"\n', FailureKind.bad_workload, "before its first optimizer step"),
     ("never_steps.py", 'launch = "python missing.py"\n', FailureKind.bad_workload, "'missing.py' of launch line"),
-    ("never_steps.py", 'launch = "torchrun --nproc_per_node=2 train.py"\n', FailureKind.bad_workload, "not supported yet"),
+    ("never_steps.py", 'launch = "torchrun --nnodes=2 --nproc_per_node=2 train.py"\n', FailureKind.bad_workload,
+     "several nodes (--nnodes=2) are not supported"),  # 2 ranks of one node run (tests/test_script_ranks.py)
     ("hangs_before_step.py", 'launch = "python train.py"\ntimeout_s = 12\n', FailureKind.timeout, "no optimizer step within the 12 s"),
 ])
 def test_bad_inputs_fail_with_a_message_saying_what_to_do(tmp_path, script, toml, kind, says):

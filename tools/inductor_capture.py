@@ -36,6 +36,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from trainbridge.tools.eager_op_counts import count_eager_step_ops
 from trainbridge.tools.inductor_parser import (
     DEBUG_DIR,
     DYNAMO_FILE,
@@ -81,28 +82,16 @@ def capture_inductor_evidence(
     _check_parts(parts)
     if steps < 1:
         raise CaptureError(f"steps must be >= 1 (got {steps}): the first step compiles the graphs")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise CaptureError(f"{out_dir} is not empty: give each capture a fresh folder, "
-                           "stale debug folders would mix with the new ones")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    notes: list[str] = []
-
-    torch._dynamo.reset()
-    from torch._dynamo.utils import counters
-    counters.clear()
-
+    session = EvidenceSession(out_dir)
     model, optimizer, batch, train_step = (parts[k] for k in REQUIRED_PARTS)
-    compiled = torch.compile(model, backend="inductor")
-    recorder = _GraphRecorder()
-    events = _TraceEventRecorder()
     step_wall_s: list[float] = []
     losses: list[float | None] = []
     trace_step = steps - 1 if chrome_trace and steps >= 2 else None
     if chrome_trace and trace_step is None:
-        notes.append("no Chrome trace: it needs steps >= 2 (the first step compiles)")
+        session.notes.append("no Chrome trace: it needs steps >= 2 (the first step compiles)")
 
-    with _evidence_config(out_dir / DEBUG_DIR), recorder.installed(), events.installed():
+    with session:
+        compiled = torch.compile(model, backend="inductor")
         for i in range(steps):
             b = batch(i)
             profiler = _profiler(model) if i == trace_step else contextlib.nullcontext()
@@ -112,42 +101,87 @@ def capture_inductor_evidence(
                 losses.append(_as_float(loss))  # .item() syncs the device
             step_wall_s.append(time.perf_counter() - t0)
             if i == trace_step:
-                prof.export_chrome_trace(str(out_dir / TRACE_FILE))
+                prof.export_chrome_trace(str(session.out_dir / TRACE_FILE))
         timed_wall_s = _timed_steps(compiled, optimizer, batch, train_step, first=steps, count=timed_steps)
 
-    if not recorder.graphs:
-        notes.append("Inductor generated no code: nothing was compiled (check graph breaks)")
-    elif not any(g["kernels"] for g in recorder.graphs):
-        notes.append("provenance tracking returned no kernels: kernel->source mapping unavailable")
-    _write_json(out_dir / KERNEL_MAP_FILE, {"format": EVIDENCE_FORMAT, "graphs": recorder.graphs})
-    _write_json(out_dir / DYNAMO_FILE, _dynamo_summary(counters, events.events))
-
     if count_eager_ops:
-        _write_json(out_dir / EAGER_COUNTS_FILE, count_eager_step_ops(parts, step=steps))
+        session.write_json(EAGER_COUNTS_FILE, count_eager_step_ops(parts, step=steps))
+    return session.write(device=_describe_device(model), repo_root=repo_root, steps=steps, trace_step=trace_step,
+                         step_wall_s=step_wall_s, cold_compile_step_s=step_wall_s[0], timed_wall_s=timed_wall_s, losses=losses)
 
-    manifest = {
-        "format": EVIDENCE_FORMAT,
-        "kind": "inductor-evidence",
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "device": _describe_device(model),
-        "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "repo_root": str(Path(repo_root).resolve()) if repo_root else None,
-        "steps": steps,
-        "trace_step": trace_step,
-        "step_wall_s": [round(s, 4) for s in step_wall_s],
-        "cold_compile_step_s": round(step_wall_s[0], 3),
-        "compiled_step_wall_s": [round(x, 5) for x in timed_wall_s],
-        "compiled_step_s": round(statistics.median(timed_wall_s), 5) if timed_wall_s else None,
-        "losses": losses,
-        "graphs": [g["aot_id"] for g in recorder.graphs],
-        "notes": notes,
-    }
-    manifest["files"] = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file())
-    manifest["files"].append(MANIFEST_FILE)
-    _write_json(out_dir / MANIFEST_FILE, manifest)
-    return out_dir
+
+class EvidenceSession:
+    """Inductor's evidence capture, open from `__enter__` to `__exit__`: Dynamo reset, every compile cache off,
+    the debug trace and provenance on, each graph's kernel -> stack table and Dynamo's graph-break, recompile
+    and compile events recorded. Entry mode holds it around its own steps; script mode, which does not own
+    the loop, from before the script runs to its closing result (sandbox/script_capture.py). `write` then
+    writes the kernel map, the Dynamo summary and the manifest."""
+
+    def __init__(self, out_dir: Path):
+        self.out_dir = Path(out_dir)
+        if self.out_dir.exists() and any(self.out_dir.iterdir()):
+            raise CaptureError(f"{self.out_dir} is not empty: give each capture a fresh folder, "
+                               "stale debug folders would mix with the new ones")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.notes: list[str] = []
+        self.recorder, self.events = _GraphRecorder(), _TraceEventRecorder()
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "EvidenceSession":
+        import torch
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        for context in (_evidence_config(self.out_dir / DEBUG_DIR), self.recorder.installed(), self.events.installed()):
+            self._stack.enter_context(context)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._stack.close()
+
+    def write_json(self, name: str, data: Any) -> None:
+        """One more evidence file (before `write`, which lists the folder's files in the manifest)."""
+        _write_json(self.out_dir / name, data)
+
+    def write(self, *, device: dict[str, Any], repo_root: Path | None, steps: int, trace_step: int | None,
+              step_wall_s: list[float], cold_compile_step_s: float | None, timed_wall_s: list[float],
+              losses: list[float | None], **more: Any) -> Path:
+        """The kernel map, the Dynamo summary and the manifest (`more`: extra manifest fields); returns the folder."""
+        import torch
+        from torch._dynamo.utils import counters
+
+        out_dir, graphs = self.out_dir, self.recorder.graphs
+        if not graphs:
+            self.notes.append("Inductor generated no code: nothing was compiled (check graph breaks)")
+        elif not any(g["kernels"] for g in graphs):
+            self.notes.append("provenance tracking returned no kernels: kernel->source mapping unavailable")
+        _write_json(out_dir / KERNEL_MAP_FILE, {"format": EVIDENCE_FORMAT, "graphs": graphs})
+        _write_json(out_dir / DYNAMO_FILE, _dynamo_summary(counters, self.events.events))
+        manifest = {
+            "format": EVIDENCE_FORMAT,
+            "kind": "inductor-evidence",
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "device": device,
+            "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "repo_root": str(Path(repo_root).resolve()) if repo_root else None,
+            "steps": steps,
+            "trace_step": trace_step,
+            "step_wall_s": [round(s, 4) for s in step_wall_s],
+            "cold_compile_step_s": round(cold_compile_step_s, 3) if cold_compile_step_s is not None else None,
+            "compiled_step_wall_s": [round(x, 5) for x in timed_wall_s],
+            "compiled_step_s": round(statistics.median(timed_wall_s), 5) if timed_wall_s else None,
+            "losses": losses,
+            "graphs": [g["aot_id"] for g in graphs],
+            **more,
+            "notes": self.notes,
+        }
+        manifest["files"] = sorted(p.relative_to(out_dir).as_posix() for p in out_dir.rglob("*") if p.is_file())
+        manifest["files"].append(MANIFEST_FILE)
+        _write_json(out_dir / MANIFEST_FILE, manifest)
+        return out_dir
 
 
 def _timed_steps(compiled, optimizer, batch, train_step, *, first: int, count: int) -> list[float]:
@@ -344,81 +378,15 @@ def _dynamo_summary(counters: Any, events: list[dict[str, Any]]) -> dict[str, An
     }
 
 
-def count_eager_step_ops(parts: dict, step: int) -> dict[str, Any]:
-    """Count the ATen ops one eager training step dispatches, per phase.
-
-    Phases: forward_model (inside the model's forward), forward_other (loss and the rest),
-    backward_model / backward_other (by the autograd node's sequence number: nodes recorded
-    during the model's forward are the model's), optimizer (inside optimizer.step). View ops
-    (no kernel launched) are counted apart. Runs one real step: parameters change.
-    """
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    model, optimizer, batch, train_step = (parts[k] for k in REQUIRED_PARTS)
-    state = {"in_model": False, "in_optimizer": False, "paused": False, "seq": [None, None]}
-    counts: dict[str, Counter] = {p: Counter() for p in
-                                  ("forward_model", "forward_other", "backward_model", "backward_other", "optimizer")}
-    views: Counter = Counter()
-
-    def probe_seq() -> int:
-        state["paused"] = True
-        try:
-            with torch.enable_grad():
-                return (torch.zeros(1, requires_grad=True) * 1).grad_fn._sequence_nr()
-        finally:
-            state["paused"] = False
-
-    def pre_hook(_module, _args):
-        state["seq"][0] = probe_seq()
-        state["in_model"] = True
-
-    def post_hook(_module, _args, _out):
-        state["in_model"] = False
-        state["seq"][1] = probe_seq()
-
-    def phase() -> str:
-        if state["in_optimizer"]:
-            return "optimizer"
-        node = torch._C._current_autograd_node()
-        if node is not None:
-            lo, hi = state["seq"]
-            seq = node._sequence_nr()
-            inside = lo is not None and hi is not None and lo < seq < hi
-            return "backward_model" if inside or node.name().endswith("AccumulateGrad") else "backward_other"
-        return "forward_model" if state["in_model"] else "forward_other"
-
-    class Counting(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not state["paused"]:
-                name = f"aten.{func._overloadpacket.__name__}" if func.namespace == "aten" else str(func)
-                (views if func.is_view else counts[phase()])[name] += 1
-            return func(*args, **(kwargs or {}))
-
-    handles = [model.register_forward_pre_hook(pre_hook), model.register_forward_hook(post_hook),
-               optimizer.register_step_pre_hook(lambda *a: state.__setitem__("in_optimizer", True)),
-               optimizer.register_step_post_hook(lambda *a: state.__setitem__("in_optimizer", False))]
-    try:
-        b = batch(step)
-        with Counting():
-            train_step(model, optimizer, b)
-    finally:
-        for h in handles:
-            h.remove()
-    return {
-        "format": EVIDENCE_FORMAT,
-        "step": step,
-        "ops_per_phase": {p: sum(c.values()) for p, c in counts.items()},
-        "view_ops": sum(views.values()),
-        "ops": {p: dict(c.most_common()) for p, c in counts.items()},
-    }
-
-
 def _profiler(model: Any):
+    return step_profiler(_model_device(model))
+
+
+def step_profiler(device: Any):
+    """The torch.profiler of the traced compiled step: the CPU, and the device's own activity where it has one."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
-    device = _model_device(model)
     extra = getattr(ProfilerActivity, device.type.upper(), None) if device is not None else None
     if extra is not None and extra not in activities:
         activities.append(extra)
@@ -433,9 +401,13 @@ def _model_device(model: Any):
 
 
 def _describe_device(model: Any) -> dict[str, Any]:
+    return describe_device(_model_device(model))
+
+
+def describe_device(device: Any) -> dict[str, Any]:
+    """The manifest's device record of a torch.device (None: the CPU)."""
     import torch
 
-    device = _model_device(model)
     if device is None or device.type == "cpu":
         return {"type": "cpu", "name": platform.processor() or platform.machine(),
                 "threads": torch.get_num_threads()}

@@ -99,7 +99,7 @@ def _override_hints(found: Discovery) -> list[str]:
              "# under [overrides]; the values shown are the script's current defaults. It takes settings by:"]
     lines += [f"#   {how}" for how in found.configurable_by or ["module-level constants"]]
     lines.append("# [overrides]")
-    width = max(len(s.name) for s in found.settings[:MAX_OVERRIDE_HINTS])
+    width = max(len(toml_key(s)) for s in found.settings[:MAX_OVERRIDE_HINTS])
     for setting in found.settings[:MAX_OVERRIDE_HINTS]:
         lines.append(_hint(setting, width))
     if len(found.settings) > MAX_OVERRIDE_HINTS:
@@ -107,20 +107,23 @@ def _override_hints(found: Discovery) -> list[str]:
     return lines
 
 
-def _toml_key(setting: Setting) -> str:
+def toml_key(setting: Setting) -> str:
     """The [overrides] key as TOML writes it: bare for a name, quoted for `Cls.field`, `--flag`, `Cls(kw)`."""
     key = setting.key or setting.name
     return key if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key) else json.dumps(key)
 
 
 def _hint(setting: Setting, width: int) -> str:
+    """One hint, a TOML line behind `# ` that is valid once uncommented: the key the launcher matches, the default;
+    the trailing comment says what the setting is and where (its bare name when the key differs). A default with
+    no literal value stays a comment of its own (`# # ...`): there is nothing to uncomment."""
     value = literal_value(setting.value)
+    key = toml_key(setting)
     where = f"{setting.kind}, {setting.where}"
-    key = _toml_key(setting)
-    if key != setting.name:  # the bare name is what one reads; the key is what the launcher matches
-        where += f"; as an override write {key}"
+    if key != setting.name:
+        where = f"{setting.name}: {where}"
     if value is None:
-        return f"# {setting.name:<{width}}   (default {setting.value}: no literal; {where})"
+        return f"# # {key:<{width}}   (default {setting.value}: no literal; {where})"
     shown = toml_value(value)
     note = f"{where}; written {setting.value}" if shown != setting.value and not isinstance(value, str) else where
-    return f"# {setting.name:<{width}} = {shown:<12} # {note}"
+    return f"# {key:<{width}} = {shown:<12} # {note}"

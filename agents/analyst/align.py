@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from trainbridge.records import Evidence, FusionGroup, Intent, IntentCategory, IntentSource, Phase, SourceSpan
+from trainbridge.records import FusionGroup, Intent, IntentCategory, IntentSource, Phase, SourceSpan
 from trainbridge.tools.eager_profile import UNATTRIBUTED_FILE, EagerOp, EagerOpTable
 
 STATIC_ONLY_BASIS = "no runtime evidence: not estimated"

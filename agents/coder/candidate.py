@@ -14,6 +14,7 @@ from pydantic import Field
 
 from trainbridge.knowledge.schema import Recipe
 from trainbridge.records import Intent, Record, SourceSpan
+from trainbridge.agents.coder.semantic_match import apply_semantically, probes
 from trainbridge.tools.codemods.engine import CodemodRefused, apply_recipe
 
 
@@ -80,9 +81,12 @@ def make_candidate(workspace, intent: Intent, recipe: Recipe, attempt: int = 0, 
         try:
             edit = apply_recipe(source, recipe, span)
         except CodemodRefused as refused:
-            reasons.append(refused.reason)
-            close.extend(refused.close)
-            continue
+            edit, why = apply_semantically(source, span, recipe, root=Path(cand.path)) if probes(recipe) else (None, "")
+            if edit is None:
+                reasons.append(refused.reason + (f"; by behaviour: {why}" if why else ""))
+                close.extend(refused.close)
+                continue
+            edit.notes.append(why)
         try:
             compile(edit.source, str(path), "exec")
         except SyntaxError as exc:

@@ -191,12 +191,15 @@ def run_gate(
     work_dir: Path | None = None,
     pairing: Pairing | None = None,
     spawn: SpawnKind | None = None,
+    determinism=None,
 ) -> Verdict:
     """Judge `candidate` against `baseline` (see the module doc). `rng` only for reproducible tests:
     by default seeds and batch indices come from the operating system's entropy. `spawn`: how the
     gate's entry-mode children start ("fork-server": forked from a server that imported torch and the
     harness once, sandbox/fork_server.py; "exec": a new interpreter each; default
-    `fork_server.default_spawn`, TRAINBRIDGE_GATE_SPAWN overrides); the verdict records it."""
+    `fork_server.default_spawn`, TRAINBRIDGE_GATE_SPAWN overrides); the verdict records it. `determinism`: the
+    run's sandbox/script_determinism.DeterminismReport; when the program is not repeatable, the numerics are the
+    checks two runs of it still share (agents/profiler/nondeterministic.py) and the verdict says so."""
     try:
         kind = spawn or fork_server.default_spawn(backend)
     except ValueError as exc:
@@ -205,7 +208,8 @@ def run_gate(
         verdict = _run_gate(baseline, candidate, backend=backend, rounds=rounds, max_rounds=max_rounds, steps_per_round=steps_per_round,
                             min_gain=min_gain, tolerance=tolerance, emulated_speed=emulated_speed, confidence=confidence,
                             numerics_steps=numerics_steps, batch_index_range=batch_index_range, rng=rng, extra_env=extra_env,
-                            on_progress=on_progress, work_dir=work_dir, pairing=pairing)
+                            on_progress=on_progress, work_dir=work_dir, pairing=pairing,
+                            determinism=determinism)
         return verdict.model_copy(update={"spawn": pool.describe() if pool is not None else "exec"})
 
 
@@ -213,7 +217,7 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
               steps_per_round: int | None, min_gain: float, tolerance: NumericsTolerance | None, emulated_speed: bool,
               confidence: float, numerics_steps: int, batch_index_range: int, rng: random.Random | None,
               extra_env: dict[str, str] | None, on_progress: GateProgress | None, work_dir: Path | None,
-              pairing: Pairing | None) -> Verdict:
+              pairing: Pairing | None, determinism) -> Verdict:
     max_rounds = rounds if max_rounds is None else max_rounds
     if rounds < 1 or max_rounds < rounds or numerics_steps < 1 or batch_index_range < numerics_steps:
         raise GateError(f"need rounds >= 1 (got {rounds}), max_rounds >= rounds (got {max_rounds}), numerics_steps >= 1 (got {numerics_steps}) and "
@@ -241,6 +245,7 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
     cand_rounds: list[list[float]] = []
     orders: list[str] = []
     state: dict = {"pairing": pairing}
+    nondeterministic = determinism is not None and not determinism.repeatable
 
     def verdict(reason: VerdictReason, message: str, phase: str, **fields) -> Verdict:
         now = time.monotonic()
@@ -289,10 +294,16 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
         base, cand = sides["baseline"], sides["candidate"]
         state.update(baseline_versions=base.run.versions, candidate_versions=cand.run.versions)
         found = judge_conduct(base, cand, baseline.config.threads, where)
-        if index == 0 and not found:
+        if index == 0 and not found and not nondeterministic:  # drift of a nondeterministic program is its data order
             state["drift"] = measure_drift(baseline, base, inputs, tolerance, backend=backend, extra_env=extra_env, work_dir=work_dir)
             tolerance = state["drift"].tolerance
-        numerics = compare_numerics(base.report, cand.report, tolerance, baseline_grads=base.grads, candidate_grads=cand.grads)
+        if nondeterministic:
+            from trainbridge.agents.profiler.nondeterministic import compare_structure
+
+            numerics = compare_structure(base.report, cand.report, tolerance, determinism, baseline_grads=base.grads or {},
+                                         candidate_grads=cand.grads or {})
+        else:
+            numerics = compare_numerics(base.report, cand.report, tolerance, baseline_grads=base.grads, candidate_grads=cand.grads)
         if index == 0:
             state["numerics"] = numerics
         if found:
@@ -300,7 +311,7 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
         if not numerics.passed:
             message = numerics.message if index == 0 else f"{where}: {numerics.message}"
             return verdict(VerdictReason.numerics_mismatch, message, phase, **({} if index == 0 else {"numerics": numerics}))
-        found = judge_timed(index, base, cand, tolerance)
+        found = judge_timed(index, base, cand, tolerance, nondeterministic=nondeterministic)
         if found:
             return verdict(VerdictReason(found[0].kind.value), _findings_message(found, numerics), phase, findings=found)
         if index == 0:
@@ -373,10 +384,14 @@ def judge_conduct(base: SideRun, cand: SideRun, threads: int, where: str) -> lis
     return findings or check_probes(base.report, cand.report)
 
 
-def judge_timed(index: int, base: SideRun, cand: SideRun, tolerance: NumericsTolerance) -> list[Finding]:
-    """The timed steps against the baseline's: every loss, and each parameter's change (empty: clean)."""
+def judge_timed(index: int, base: SideRun, cand: SideRun, tolerance: NumericsTolerance, *, nondeterministic: bool = False) -> list[Finding]:
+    """The timed steps against the baseline's: every loss, and each parameter's change (empty: clean). For a
+    nondeterministic program only which parameters change is compared (their batches differ)."""
     timed_base = [*base.run.losses, *base.run.cooldown_losses]
     timed_cand = [*cand.run.losses, *cand.run.cooldown_losses]
+    if nondeterministic:
+        return check_timed_deltas(index, base.unchanged or [], cand.unchanged or [], base.deltas or {}, cand.deltas or {},
+                                  -1.0, float("inf"))
     findings = check_timed_losses(index, timed_base, timed_cand, tolerance.timed_loss_rtol, tolerance.loss_atol)
     return findings or check_timed_deltas(index, base.unchanged or [], cand.unchanged or [], base.deltas or {}, cand.deltas or {},
                                           tolerance.timed_delta_cosine_min, tolerance.timed_delta_norm_rtol)

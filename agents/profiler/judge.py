@@ -25,6 +25,7 @@ def tolerance_for(numerics) -> NumericsTolerance:
         grad_rtol=max(numerics.rtol or 0.0, defaults.grad_rtol),
         grad_atol=max(numerics.atol or 0.0, defaults.grad_atol),
         loss_rtol=max(numerics.loss_rtol or 0.0, defaults.loss_rtol),
+        grad_cosine_min=min(numerics.grad_cosine_min or defaults.grad_cosine_min, defaults.grad_cosine_min),
     )
 
 
@@ -34,13 +35,18 @@ def speed_measurable(target: str) -> bool:
 
 
 def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, recipe_numerics=None, rounds: int,
-                    max_rounds: int | None, min_gain: float, launch: str | None = None) -> Verdict:
+                    max_rounds: int | None, min_gain: float, launch: str | None = None, determinism: dict | None = None) -> Verdict:
     """The gate's verdict on the candidate worktree against the baseline worktree (`launch`: the
-    run's script-mode launch line, when it gave one on the command line)."""
+    run's script-mode launch line, when it gave one on the command line; `determinism`: the run's
+    repeatability report of the unmodified program, as the prepare node stored it)."""
+    from trainbridge.sandbox.script_determinism import DeterminismReport
+
     tolerance = tolerance_for(recipe_numerics) if recipe_numerics is not None else None
+    report = DeterminismReport.model_validate(determinism) if determinism else None
 
     def workload(root: Path):
         return workload_for_launch(root, launch) if launch else load_workload(root)
 
     return run_gate(workload(baseline_root), workload(candidate_root), backend=target, rounds=rounds,
-                    max_rounds=max_rounds, min_gain=min_gain, tolerance=tolerance, emulated_speed=not speed_measurable(target))
+                    max_rounds=max_rounds, min_gain=min_gain, tolerance=tolerance, emulated_speed=not speed_measurable(target),
+                    determinism=report)

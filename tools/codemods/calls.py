@@ -6,7 +6,9 @@ Parameters (``match.params``):
 - ``drop_kwargs``: keywords removed from ``$args`` before rendering (the replacement does not take them);
 - ``absent_kwargs``: keywords the call must not pass ...
 - ``overridable``: ... except these, when their value is not a literal: the replacement sets them
-  itself (``fused=use_fused`` becomes the replacement's ``fused=True``).
+  itself (``fused=use_fused`` becomes the replacement's ``fused=True``);
+- ``all_in_span``: rewrite every fitting call of the span (``q, k = F.rms_norm(q, s), F.rms_norm(k, s)``),
+  not only a single one.
 
 A ``**name`` argument is read through kwargs.star_keys: when every key it can hold is dropped or
 overridable the argument is removed (``**extra_args`` that only ever holds ``fused``); when none is,
@@ -163,14 +165,26 @@ def apply_call(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
             seen = _calls_seen(module, positions, span)
             reason += f": the span calls {', '.join(seen)}" if seen else ": the span holds no call"
         raise CallRefused(reason, misses)
-    if len(candidates) > 1:
-        raise CallRefused(f"recipe {recipe.id} matches {len(candidates)} calls in {span}; narrow the span",
-                          [str(site) for _, site, _ in candidates])
-    call, site, plan = candidates[0]
+    if len(candidates) > 1 and not params.get("all_in_span", False):
+        raise CallRefused(f"recipe {recipe.id} matches {len(candidates)} calls in {span}; narrow the span "
+                          "or mark the recipe all_in_span", [str(site) for _, site, _ in candidates])
+    plans = {call: plan for call, _, plan in candidates}
+
+    class Rewriter(cst.CSTTransformer):
+        """Every fitting call, innermost first, so a fitting call nested in another's arguments is rewritten too."""
+
+        def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+            plan = plans.get(original)
+            return updated if plan is None else _render(module, recipe, updated, plan, dropped)
+
+    notes = [note for _, _, plan in candidates for note in plan.notes]
+    return module.visit(Rewriter()), [site for _, site, _ in candidates], notes
+
+
+def _render(module: cst.Module, recipe: Recipe, call: cst.Call, plan: _Plan, dropped: set[str]) -> cst.BaseExpression:
     kept = [arg for i, arg in enumerate(call.args)
             if i not in plan.drop and (arg.keyword is None or arg.keyword.value not in dropped)]
     args_code = ", ".join(module.code_for_node(arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)).strip() for arg in kept)
     bindings: Bindings = {"func": call.func}
     text = recipe.replacement.replace("$args", "\0ARGS\0").replace("${args}", "\0ARGS\0")
-    rendered = render_expression(text, bindings, module, raw={"\0ARGS\0": args_code})
-    return module.deep_replace(call, rendered), [site], plan.notes
+    return render_expression(text, bindings, module, raw={"\0ARGS\0": args_code})

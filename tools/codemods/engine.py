@@ -241,6 +241,10 @@ def _apply_semantic(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
             raise CodemodRefused(f"class {owner.name.value} never assigns self.{', self.'.join(missing)}, which recipe {recipe.id} needs")
         bindings.update({f"self_{a}": cst.Attribute(value=cst.Name("self"), attr=cst.Name(a)) for a in attributes})
     anchors = [parse_expression_pattern(str(text)) for text in params.get("alternatives", []) or []]
+    by_behaviour = bool(params.get("probe") or params.get("candidates"))
+    if by_behaviour and not anchors:
+        raise CodemodRefused(f"recipe {recipe.id} is matched by behaviour, not by spelling: {function.name.value} and its "
+                             "candidates must run on the same inputs first (agents/coder/semantic_match.py)")
     if anchors and not _contains_match(function, anchors):
         raise CodemodRefused(f"{function.name.value} in {span} contains none of recipe {recipe.id}'s known forms; "
                              "it may compute something else (a semantic check on captured shapes would decide)",

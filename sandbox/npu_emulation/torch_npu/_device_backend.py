@@ -127,7 +127,14 @@ class NpuTensor(torch.Tensor):
         def wrap(o):
             if isinstance(o, torch.Tensor) and not isinstance(o, NpuTensor):
                 same = by_id.get(id(o))
-                return same if same is not None else NpuTensor(o, device)
+                if same is not None:
+                    return same
+                if o.is_conj() or o.is_neg():
+                    # a lazy conj/neg view's bit lives on the host tensor, which the wrapper does not carry:
+                    # the next op on the wrapper would read the plain values (a * a.conj() gave a * a, and
+                    # complex autograd, which conjugates, got wrong gradients). Materialise it here.
+                    o = o.resolve_conj().resolve_neg()
+                return NpuTensor(o, device)
             return o
 
         return tree_map(wrap, out)
