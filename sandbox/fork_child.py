@@ -32,7 +32,7 @@ import socket
 import sys
 import traceback
 
-PRELOAD = ("torch", "trainbridge.sandbox.harness", "trainbridge.sandbox.step_server", "trainbridge.sandbox.channel",
+PRELOAD = ("torch", "torch._dynamo", "torch.optim", "trainbridge.sandbox.harness", "trainbridge.sandbox.step_server", "trainbridge.sandbox.channel",
            "trainbridge.sandbox.guard", "trainbridge.sandbox.numerics_probe", "trainbridge.sandbox.backends",
            "trainbridge.sandbox.script_hooks", "trainbridge.sandbox.script_overrides")
 _CLONE_NEWNS = 0x00020000
