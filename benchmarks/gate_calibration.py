@@ -163,6 +163,22 @@ def round_sides(round_record: dict, base: str, cand: str) -> tuple[list[float], 
     return round_record["samples"][base], round_record["samples"][cand], (round_record.get("cores") or {}).get(base)
 
 
+def truncated(record: dict, steps: int) -> dict:
+    """`record` with every side of every round cut to its first `steps` measured steps."""
+    def cut(value):
+        return value[:steps] if isinstance(value, list) else value
+
+    rounds = []
+    for r in record["rounds"]:
+        if "pairs" in r:
+            pairs = {name: {side: cut(times) for side, times in pair.items()} for name, pair in r["pairs"].items()}
+            rounds.append({**r, "pairs": pairs})
+        else:
+            rounds.append({**r, "samples": {name: cut(times) for name, times in r["samples"].items()}})
+    config = {**record["config"], "steps_per_round": steps, "truncated_from": record["config"]["steps_per_round"]}
+    return {**record, "config": config, "rounds": rounds}
+
+
 def conditions(slowdowns: list[float]) -> list[tuple[str, str, str, float]]:
     """(label, baseline program, candidate program, true ratio)."""
     out = [("A/A", "base", "base_again", 1.0)]
@@ -288,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="how a round's sides run, as the gate does (default: the gate's default for --backend)")
     parser.add_argument("--out", type=Path, default=RESULTS / "gate_calibration.json")
     parser.add_argument("--from-json", type=Path, default=None, help="re-decide the samples saved in this JSON; no measuring")
+    parser.add_argument("--truncate-steps", type=int, default=None,
+                        help="with --from-json: re-decide as if each round had measured only its first K steps (what a "
+                             "round of K measured steps would have timed: the same warm-up, then the first K)")
     parser.add_argument("--resampled", type=int, default=400, help="simulated gate runs on recorded rounds drawn with replacement")
     parser.add_argument("--spawn", choices=SPAWN_KINDS, default=None,
                         help="how the children start, as the gate does (default: the gate's default for --backend)")
@@ -299,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-rounds ({args.max_rounds}) must be at least --rounds ({args.rounds})")
     if args.from_json:
         record = json.loads(args.from_json.read_text(encoding="utf-8"))
+        if args.truncate_steps:
+            record = truncated(record, args.truncate_steps)
         report(record, args, record["config"]["slowdowns"])
     else:
         record = measure(args)

@@ -286,7 +286,11 @@ def demo(
     outcome = start_run(RunConfig(repo=str(repo), run_id=run_id, target=target, gate_rounds=rounds, max_candidates=max_candidates,
                                   budget_s=DEMO_BUDGET_S, **kb), say=_say)
     _report_outcome(outcome)
-    console.print(f"demo finished in {time.monotonic() - started:.0f} s; repository {repo}, branch {outcome.state.get('run_branch')}", soft_wrap=True)
+    coverage = outcome.state.get("intent_coverage") or {}
+    reached = ("it reached every intent that has a recipe" if coverage.get("every_intent_with_a_recipe") else
+               f"{len(coverage.get('left_with_recipe') or [])} intent(s) with a recipe not reached" if coverage else "")
+    console.print(f"demo finished in {time.monotonic() - started:.0f} s{f'; {reached}' if reached else ''}; repository {repo}, "
+                  f"branch {outcome.state.get('run_branch')}", soft_wrap=True)
 
 
 def verify(run_id: str = typer.Argument(..., callback=valid_run_id, help="A run whose NPU candidates wait on trainbridge/<run-id>.pending-npu.")) -> None:

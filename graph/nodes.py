@@ -17,7 +17,7 @@ from langgraph.types import interrupt
 from trainbridge.agents.analyst.own_rewrites import split_own_rewrites, verdict_landed
 from trainbridge.agents.coder.attempts import coder_turn
 from trainbridge.agents.coder.candidate import Candidate
-from trainbridge.agents.retrieval.choose import choose_intent
+from trainbridge.agents.retrieval.choose import choose_intent, intent_coverage
 from trainbridge.graph import npu_pending
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.detached_views import detached_view, remove_view
@@ -304,13 +304,16 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             result = _measure(ctx.config.workload(workspace.worktree), ctx)
             final = result.median_step_s() if result.failure is None else None
         parts = {"final_comparison" if comparison else "final_measure": round(time.monotonic() - started, 3)}
-    paths = write_report(state, ctx.config, ctx.paths.report, final_step_s=final, stop_reason=reason,
+    coverage = intent_coverage(state.get("intents", []), done=set(state.get("done_intents", [])), kb=ctx.kb, target=ctx.config.target,
+                               allowed=ctx.config.recipe_ids)
+    paths = write_report({**state, "intent_coverage": coverage.as_record()}, ctx.config, ctx.paths.report, final_step_s=final, stop_reason=reason,
                          emulated_npu=ctx.config.target == "npu" and npu_emulated(), kb_stats=_kb_stats(ctx),
                          final_comparison=comparison)
     remove_view(workspace, npu_pending.PENDING_VIEW)
     workspace.cleanup()
+    ctx.say(coverage.line())
     return {"node": "report", "stop_reason": reason, "report_paths": [str(p) for p in paths], "final_comparison": comparison,
-            PARTS_KEY: parts}
+            "intent_coverage": coverage.as_record(), PARTS_KEY: parts}
 
 
 def _final_comparison(ctx: RunContext, workspace, base_sha: str) -> dict[str, Any] | None:

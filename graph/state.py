@@ -128,6 +128,7 @@ class RunState(TypedDict, total=False):
     stop_reason: str | None
     report_paths: list[str]
     final_comparison: dict[str, Any] | None  # agents.profiler.final.FinalComparison, written by the report node
+    intent_coverage: dict[str, Any] | None  # agents.retrieval.choose.IntentCoverage.as_record(), written by the report node
     # parallel gates (graph/fanout.py): the intents being worked, the batch being judged and against which head,
     # the verdicts of its gates (any order; None resets), whether the last merge moved the run branch
     parallel: bool  # gates side by side (--devices with more than one slot, or --ray): the batch path

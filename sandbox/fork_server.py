@@ -14,13 +14,21 @@ it started itself.
 `serving(kind)` opens a pool of servers for the duration of a gate (one per environment: the
 thread settings are read by OpenMP when torch is imported, so a server serves only children whose
 environment matches its own, the hash seed aside); `active()` is what sandbox/runner.py asks when
-it builds an entry-mode child. `TRAINBRIDGE_GATE_SPAWN=exec` turns it off.
+it builds an entry-mode child. `TRAINBRIDGE_GATE_SPAWN=exec` turns it off. With ``keep_warm`` (the
+gate's default) the pool outlives the block: the next gate of the same process forks from the same
+servers instead of paying their start again (a server holds no state of any child, so a later
+gate's children are as fresh as a later round's); it keeps at most `WARM_SERVERS` servers (the
+least recently used is stopped) and is stopped by `shutdown_warm`, at the latest when the process
+exits (and a server exits by itself when the process that holds its socket dies).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
+import shutil
+import tempfile
 import os
 import socket
 import subprocess
@@ -39,6 +47,7 @@ SPAWN_ENV = "TRAINBRIDGE_GATE_SPAWN"
 SERVER_MODULE = "trainbridge.sandbox.fork_child"
 READY_TIMEOUT_S = 120.0  # a server's imports (torch) on a loaded machine
 REPLY_TIMEOUT_S = 30.0
+WARM_SERVERS = 2  # servers a kept-warm pool holds at most (each is an interpreter with torch imported)
 _HASH_SEED = "PYTHONHASHSEED"  # fixed at interpreter start: a server's children share its own (both sides of a round alike)
 
 
@@ -180,15 +189,22 @@ class ForkPool:
     servers: dict[tuple, ForkServer] = field(default_factory=dict)
     forked: int = 0
     fallbacks: list[str] = field(default_factory=list)  # why a child was exec'd instead
+    max_servers: int | None = None  # the least recently used server is stopped beyond this (None: no limit)
 
     def fork(self, *, cwd: Path, env: dict[str, str], fds: dict[str, int], channel: tuple[int, int],
              memory_limit_mb: int | None) -> ForkedChild | None:
         """A forked child, or None (the reason kept in `fallbacks`): the caller then starts it by exec."""
         key = tuple(sorted((k, v) for k, v in env.items() if k != _HASH_SEED))
         try:
-            server = self.servers.get(key)
-            if server is None or server.process.poll() is not None:
-                server = self.servers[key] = ForkServer.start(self.prefix, env, self.scratch)
+            server = self.servers.pop(key, None)
+            if server is not None and server.process.poll() is not None:
+                server.close()
+                server = None
+            if server is None:
+                while self.max_servers is not None and len(self.servers) >= self.max_servers:
+                    self.servers.pop(next(iter(self.servers))).close()  # the least recently used
+                server = ForkServer.start(self.prefix, env, self.scratch)
+            self.servers[key] = server  # the most recently used last
             child = server.fork(cwd=cwd, env=env, fds=fds, channel=channel, memory_limit_mb=memory_limit_mb)
         except ForkServerError as exc:
             self.fallbacks.append(str(exc)[:500])
@@ -204,14 +220,18 @@ class ForkPool:
             server.close()
         self.servers.clear()
 
-    def describe(self) -> str:
-        """The verdict's `spawn` field: how this gate's children were started."""
-        if not self.fallbacks:
+    def describe(self, since: int = 0) -> str:
+        """The verdict's `spawn` field: how this gate's children were started (`since`: the number of
+        fallbacks when the gate began, for a pool kept warm across gates)."""
+        fallbacks = self.fallbacks[since:]
+        if not fallbacks:
             return "fork-server"
-        return f"fork-server ({len(self.fallbacks)} child(ren) exec'd instead: {self.fallbacks[0][:200]})"
+        return f"fork-server ({len(fallbacks)} child(ren) exec'd instead: {fallbacks[0][:200]})"
 
 
 _ACTIVE: list[ForkPool] = []  # the innermost `serving` pool; empty outside a gate
+_WARM: dict[tuple[str, ...], ForkPool] = {}  # pools kept warm across gates, by isolation prefix
+_EXIT_HOOK: list = []  # shutdown_warm, once registered with atexit
 
 
 def active() -> ForkPool | None:
@@ -219,17 +239,33 @@ def active() -> ForkPool | None:
 
 
 @contextlib.contextmanager
-def serving(kind: SpawnKind, *, prefix: tuple[str, ...] = (), work_dir: Path | None = None) -> Iterator[ForkPool | None]:
+def serving(kind: SpawnKind, *, prefix: tuple[str, ...] = (), work_dir: Path | None = None,
+            keep_warm: bool = False) -> Iterator[ForkPool | None]:
     """Entry-mode children started inside this block are forked from a server (kind "fork-server")
-    or exec'd as before ("exec": yields None). The servers are stopped when the block ends."""
+    or exec'd as before ("exec": yields None). The servers are stopped when the block ends, unless
+    `keep_warm`: then the pool stays for the next `serving(..., keep_warm=True)` of this process
+    (see the module doc)."""
     if kind not in SPAWN_KINDS:
         raise ValueError(f"spawn kind {kind!r}: choose one of {', '.join(SPAWN_KINDS)}")
     if kind == "exec":
         yield None
         return
+    proc_watch.become_subreaper()  # forked children are handed to this process; without it they are exec'd
+    if keep_warm:
+        pool = _WARM.get(tuple(prefix))
+        if pool is None:
+            scratch = Path(tempfile.mkdtemp(prefix="trainbridge-warm-forkserver-", dir=work_dir))
+            pool = _WARM[tuple(prefix)] = ForkPool(prefix=tuple(prefix), scratch=scratch, max_servers=WARM_SERVERS)
+            if not _EXIT_HOOK:
+                _EXIT_HOOK.append(atexit.register(shutdown_warm))
+        _ACTIVE.append(pool)
+        try:
+            yield pool
+        finally:
+            _ACTIVE.remove(pool)
+        return
     from trainbridge.sandbox.scratch import scratch_dir
 
-    proc_watch.become_subreaper()  # forked children are handed to this process; without it they are exec'd
     with scratch_dir("trainbridge-run-forkserver-", work_dir) as scratch:
         pool = ForkPool(prefix=tuple(prefix), scratch=scratch)
         _ACTIVE.append(pool)
@@ -238,6 +274,15 @@ def serving(kind: SpawnKind, *, prefix: tuple[str, ...] = (), work_dir: Path | N
         finally:
             _ACTIVE.remove(pool)
             pool.close()
+
+
+def shutdown_warm() -> None:
+    """Stop every pool kept warm across gates and remove their scratch folders (at exit, or when a
+    caller wants its servers gone now)."""
+    while _WARM:
+        _, pool = _WARM.popitem()
+        pool.close()
+        shutil.rmtree(pool.scratch, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -248,3 +248,18 @@ def test_import_rejects_a_bad_line_and_imports_nothing(kb, tmp_path):
     path.write_text('{"type": "header", "format": "other", "version": 1}\n')
     with pytest.raises(KBFileError, match="bad.jsonl:1: expected format 'trainbridge-kb'"):
         kb.import_jsonl(path)
+
+
+def test_intent_coverage_names_the_intents_left_that_have_a_recipe(kb):
+    from trainbridge.agents.retrieval.choose import intent_coverage
+
+    rms, gelu = intent("rmsnorm", RMSNORM_EVIDENCE, line=10), intent("gelu", GELU_EVIDENCE, line=40)
+    orphan = intent("permute_reshape", GELU_EVIDENCE, line=70)  # a category no recipe is written for
+    intents = [i.model_dump(mode="json") for i in (rms, gelu, orphan)]
+    left = intent_coverage(intents, done={rms.id}, kb=kb, target="cpu", allowed=None)
+    assert (left.reached, left.left_without) == (1, 1) and left.left_with_recipe == ["gelu at model.py:40-42"]
+    assert not left.every_intent_with_a_recipe and "1 with a recipe not reached (gelu at model.py:40-42)" in left.line()
+    done = intent_coverage(intents, done={rms.id, gelu.id}, kb=kb, target="cpu", allowed=None)
+    assert done.every_intent_with_a_recipe and done.as_record()["every_intent_with_a_recipe"] is True
+    assert "reached every intent with a recipe (2 worked; 1 found without one)" in done.line()
+    assert intent_coverage(intents, done={rms.id}, kb=kb, target="cpu", allowed=["rmsnorm-f-rms-norm"]).every_intent_with_a_recipe

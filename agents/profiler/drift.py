@@ -7,11 +7,18 @@ another thread count (reductions split differently: rounding changes, the math d
 widens every tolerance to `margin` times what it sees: the probe's (`numerics.widen_tolerance`)
 and the timed steps' losses and parameter changes. A candidate is never asked to be closer to the
 baseline than the baseline is to itself; where the baseline is stable, the tolerances stay tight.
+
+The drift is the baseline's alone (the candidate plays no part in it), so a gate whose baseline is
+the same program as an earlier gate's, file for file and setting for setting, reuses that gate's
+measurement instead of running the reference child again (`DriftCache`, kept for the process: a
+run judges many candidates against one head); the verdict says so (`reused`).
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
@@ -40,6 +47,30 @@ class GateDrift(BaseModel):
     timed: TimedDrift
     margin: float
     tolerance: NumericsTolerance
+    reused: bool = False  # measured by an earlier gate on the same baseline (`DriftCache`)
+
+
+@dataclass
+class DriftCache:
+    """Drift measurements by baseline fingerprint (what `fingerprint` in the gate hashes: the files,
+    the settings, the backend and the round's shape); the least recently used beyond `size` is dropped."""
+
+    size: int = 8
+    entries: OrderedDict = field(default_factory=OrderedDict)
+
+    def get(self, key: str, tolerance: NumericsTolerance) -> GateDrift | None:
+        """The cached drift for `key`, its tolerances widened from this gate's own `tolerance`."""
+        found = self.entries.get(key)
+        if found is None:
+            return None
+        self.entries.move_to_end(key)
+        return found.model_copy(update={"tolerance": widen_for_drift(tolerance, found.probe, found.timed, found.margin), "reused": True})
+
+    def put(self, key: str, drift: GateDrift) -> None:
+        self.entries[key] = drift
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
 
 
 def timed_drift(base_losses: list[float], other_losses: list[float], base_deltas: dict, other_deltas: dict) -> TimedDrift:

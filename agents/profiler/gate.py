@@ -39,6 +39,8 @@ A failure of the *baseline* is not the candidate's fault: it raises `GateError`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import time
@@ -49,7 +51,7 @@ from typing import Literal
 
 from trainbridge.agents.profiler import conduct, quiet
 from trainbridge.agents.profiler.drift import MARGIN as DRIFT_MARGIN
-from trainbridge.agents.profiler.drift import GateDrift, timed_drift, widen_for_drift
+from trainbridge.agents.profiler.drift import DriftCache, GateDrift, timed_drift, widen_for_drift
 from trainbridge.agents.profiler.integrity import Finding, check_config, check_probes, check_timed_deltas, check_timed_losses
 from trainbridge.agents.profiler.numerics import NumericsResult, NumericsTolerance, compare_numerics, load_grads
 from trainbridge.agents.profiler.probe_report import ProbeReport, ProbeReportError
@@ -68,6 +70,7 @@ GateProgress = Callable[[str, int, int], None]  # (phase, done, total); phases "
 Pairing = Literal["paired", "sequential"]
 PAIRINGS = ("paired", "sequential")
 SEED_LIMIT = 2**31 - 1
+DRIFT_CACHE = DriftCache()  # the baseline's drift, measured once per baseline program in this process (drift.py)
 COOLDOWN_STEPS = 1  # after the measured steps: work a candidate defers past its last measured reply lands here
 _SPEED_REASONS = {
     SpeedOutcome.accepted: VerdictReason.accepted,
@@ -78,6 +81,12 @@ _SPEED_REASONS = {
 
 class GateError(RuntimeError):
     """The gate could not judge the candidate (the baseline itself failed, or bad arguments)."""
+
+
+def gate_warmup(warmup: int, numerics_steps: int) -> int:
+    """The untimed steps a gate child runs after its probe: the workload's warm-up less the probe's
+    own full training steps (they warm the same caches, allocator and optimizer state), at least one."""
+    return max(1, warmup - numerics_steps) if warmup > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,9 @@ class RoundInputs:
 
     @classmethod
     def draw(cls, rng: random.Random, *, numerics_steps: int, warmup: int, steps: int, index_range: int) -> "RoundInputs":
+        """`warmup`: the workload's warm-up steps; the probe's `numerics_steps` full training steps run
+        first in every child and count towards it (`gate_warmup`)."""
+        warmup = gate_warmup(warmup, numerics_steps)
         timed = [rng.randrange(index_range) for _ in range(warmup + steps + COOLDOWN_STEPS)]
         return cls(seed=rng.randrange(1, SEED_LIMIT), probe_indices=rng.sample(range(index_range), numerics_steps),
                    warmup=timed[:warmup], measured=timed[warmup:warmup + steps], cooldown=timed[warmup + steps:])
@@ -204,13 +216,14 @@ def run_gate(
         kind = spawn or fork_server.default_spawn(backend)
     except ValueError as exc:
         raise GateError(str(exc)) from exc
-    with fork_server.serving(kind, work_dir=work_dir) as pool:
+    with fork_server.serving(kind, work_dir=work_dir, keep_warm=True) as pool:
+        fallbacks_before = len(pool.fallbacks) if pool is not None else 0
         verdict = _run_gate(baseline, candidate, backend=backend, rounds=rounds, max_rounds=max_rounds, steps_per_round=steps_per_round,
                             min_gain=min_gain, tolerance=tolerance, emulated_speed=emulated_speed, confidence=confidence,
                             numerics_steps=numerics_steps, batch_index_range=batch_index_range, rng=rng, extra_env=extra_env,
                             on_progress=on_progress, work_dir=work_dir, pairing=pairing,
                             determinism=determinism)
-        return verdict.model_copy(update={"spawn": pool.describe() if pool is not None else "exec"})
+        return verdict.model_copy(update={"spawn": pool.describe(since=fallbacks_before) if pool is not None else "exec"})
 
 
 def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: int, max_rounds: int | None,
@@ -295,7 +308,12 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
         state.update(baseline_versions=base.run.versions, candidate_versions=cand.run.versions)
         found = judge_conduct(base, cand, baseline.config.threads, where)
         if index == 0 and not found and not nondeterministic:  # drift of a nondeterministic program is its data order
-            state["drift"] = measure_drift(baseline, base, inputs, tolerance, backend=backend, extra_env=extra_env, work_dir=work_dir)
+            key = drift_key(baseline, backend, extra_env, inputs)
+            state["drift"] = DRIFT_CACHE.get(key, tolerance)
+            if state["drift"] is None:
+                state["drift"] = measure_drift(baseline, base, inputs, tolerance, backend=backend, extra_env=extra_env,
+                                               work_dir=work_dir)
+                DRIFT_CACHE.put(key, state["drift"])
             tolerance = state["drift"].tolerance
         if nondeterministic:
             from trainbridge.agents.profiler.nondeterministic import compare_structure
@@ -338,6 +356,17 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
     busy_note = quiet.describe(seq.baseline_cores, state["busy_rounds"], max_rounds)
     return verdict(reason, f"{speed.message}{busy_note}; {state['numerics'].message}", "done", speed=speed, ratio=speed.ratio,
                    ratio_ci=(speed.ci_low, speed.ci_high))
+
+
+def drift_key(baseline: Workload, backend: str, extra_env: dict[str, str] | None, inputs: RoundInputs) -> str:
+    """What the baseline's drift depends on: its files (size and modification time of each, bytecode
+    caches aside), its settings, the backend, the extra environment and how many steps a round times."""
+    files = sorted((path, size_mtime) for path, size_mtime in conduct.snapshot_tree(baseline.root).items()
+                   if "__pycache__" not in path.split("/"))
+    shape = (len(inputs.probe_indices), len(inputs.warmup), len(inputs.measured), len(inputs.cooldown))
+    blob = json.dumps([str(baseline.root.resolve()), files, baseline.config.model_dump(mode="json"), backend,
+                       sorted((extra_env or {}).items()), shape], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def measure_drift(baseline: Workload, base: SideRun, inputs: RoundInputs, tolerance: NumericsTolerance, *, backend: str,

@@ -56,3 +56,47 @@ def choose_intent(intents: Iterable[dict[str, Any]], *, done: Collection[str], k
 
 def _allowed(allowed: Collection[str] | None, recipe_ids: list[str]) -> list[str]:
     return [r for r in recipe_ids if allowed is None or r in allowed]
+
+
+@dataclass(frozen=True)
+class IntentCoverage:
+    """How far a run got through its intents: `reached` were worked (each of its recipes tried, or
+    one accepted); `left_with_recipe` are intents of the latest analysis not reached although a
+    recipe of their own fits them (a budget or candidate limit stopped the run first);
+    `left_without` are the rest, with no recipe of their own (the last resort aside)."""
+
+    reached: int
+    left_with_recipe: list[str]
+    left_without: int
+
+    @property
+    def every_intent_with_a_recipe(self) -> bool:
+        return not self.left_with_recipe
+
+    def line(self) -> str:
+        if self.every_intent_with_a_recipe:
+            return (f"intents: reached every intent with a recipe ({self.reached} worked"
+                    f"{f'; {self.left_without} found without one' if self.left_without else ''})")
+        return (f"intents: {self.reached} worked, {len(self.left_with_recipe)} with a recipe not reached "
+                f"({', '.join(self.left_with_recipe[:6])}{', ...' if len(self.left_with_recipe) > 6 else ''})")
+
+    def as_record(self) -> dict[str, Any]:
+        return {"reached": self.reached, "left_with_recipe": list(self.left_with_recipe), "left_without": self.left_without,
+                "every_intent_with_a_recipe": self.every_intent_with_a_recipe}
+
+
+def intent_coverage(intents: Iterable[dict[str, Any]], *, done: Collection[str], kb: KnowledgeBase, target: str,
+                    allowed: Collection[str] | None) -> IntentCoverage:
+    """Which of the latest analysis's intents the run reached, and which it left that have a recipe
+    of their own (`choose_intent`'s test, the last resort not counted)."""
+    left, without = [], 0
+    for data in intents:
+        intent = Intent.model_validate(data)
+        if intent.id in done:
+            continue
+        ranked = rank_recipes(kb, intent, target, n=RANKED)
+        if _allowed(allowed, [r.recipe.id for r in ranked if str(r.recipe.category) == str(intent.category)]):
+            left.append(f"{intent.category} at {intent.spans[0] if intent.spans else '?'}")
+        else:
+            without += 1
+    return IntentCoverage(reached=len(set(done)), left_with_recipe=left, left_without=without)
