@@ -1,0 +1,133 @@
+"""The region lab ("supernode lab"): time a candidate's rewritten region alone before the whole-step gate.
+
+`time_region` starts one sandboxed child (sandbox/region_bench.py) confined like any gate child:
+scrubbed environment, address-space cap, own process group killed on timeout, no network where the
+host allows. The child captures the region's real inputs from one baseline step and times baseline
+region against candidate region, forward + backward, interleaved, for a few hundred repetitions.
+
+The lab only ranks and skips: `clearly_slower` is the one rule that lets a candidate skip the gate,
+and it is conservative (the whole interval on the ratio above `SLOWER_BOUND`). A region that is
+faster never accepts anything; a region that cannot be isolated changes nothing (the gate runs).
+`TRAINBRIDGE_REGION_LAB=off` turns the lab off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainbridge.records import SourceSpan
+from trainbridge.sandbox.backends import Backend
+from trainbridge.sandbox.isolation import default_memory_limit_mb, network_isolation, scrubbed_env
+from trainbridge.sandbox.runner import _run_child
+from trainbridge.sandbox.scratch import scratch_dir
+from trainbridge.sandbox.workload import Workload, load_workload
+
+SWITCH = "TRAINBRIDGE_REGION_LAB"
+SLOWER_BOUND = 1.10  # a skip must be safe: the region's whole interval at least 10% slower
+DEFAULT_BUDGET_S = 3.0
+DEFAULT_TIMEOUT_S = 120.0
+RegionVerdict = Literal["faster", "slower", "same", "unisolated"]
+
+
+class RegionTiming(BaseModel):
+    """One region timed alone: baseline region vs candidate region on the step's own inputs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    site: SourceSpan | None = Field(default=None, description="the site that was timed (the first that could be isolated)")
+    qualname: str | None = Field(default=None, description="the region's callable: a function or Class.method")
+    module_path: str | None = Field(default=None, description="for a method: the instance's path in the model (named_modules)")
+    shapes: dict[str, str] = Field(default_factory=dict, description="argument name -> shape, dtype, grad of the captured inputs")
+    reps: int = Field(default=0, description="forward + backward repetitions per side")
+    baseline_median_s: float | None = None
+    candidate_median_s: float | None = None
+    ratio: float | None = Field(default=None, description="candidate / baseline median; < 1 is faster")
+    interval: tuple[float, float] | None = Field(default=None, description="95% bootstrap interval on the ratio")
+    verdict: RegionVerdict
+    message: str
+    wall_s: float = 0.0
+    network_isolated: bool = False
+
+
+def lab_enabled(environ: dict[str, str] | None = None) -> bool:
+    """False when TRAINBRIDGE_REGION_LAB is off / 0 / false / no."""
+    value = (environ if environ is not None else os.environ).get(SWITCH, "on").strip().lower()
+    return value not in ("off", "0", "false", "no")
+
+
+def clearly_slower(timing: RegionTiming) -> bool:
+    """True only when the whole interval on the region's ratio lies above SLOWER_BOUND."""
+    return timing.verdict == "slower" and timing.interval is not None and timing.interval[0] > SLOWER_BOUND
+
+
+def classify(interval: tuple[float, float]) -> RegionVerdict:
+    """slower: the whole interval above 1; faster: the whole interval below 1; else same."""
+    low, high = interval
+    return "slower" if low > 1.0 else "faster" if high < 1.0 else "same"
+
+
+def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: list[SourceSpan], *, backend: str = "cpu",
+                timeout_s: float = DEFAULT_TIMEOUT_S, budget_s: float = DEFAULT_BUDGET_S, max_reps: int = 300,
+                min_reps: int = 20) -> RegionTiming:
+    """Time the candidate's region against the baseline's in one sandboxed child; never raises for the
+    workloads' faults (they come back as verdict "unisolated" with the reason). The workloads may be given
+    as their roots (their trainbridge.toml is read)."""
+    started = time.monotonic()
+    baseline = baseline if isinstance(baseline, Workload) else load_workload(Path(baseline))
+    candidate = candidate if isinstance(candidate, Workload) else load_workload(Path(candidate))
+    isolation = network_isolation()
+
+    def unisolated(message: str) -> RegionTiming:
+        return RegionTiming(verdict="unisolated", message=message, wall_s=time.monotonic() - started,
+                            network_isolated=isolation.isolated)
+
+    if not sites:
+        return unisolated("the candidate names no site to time")
+    if baseline.config.mode != "entry" or candidate.config.mode != "entry":
+        return unisolated(f"the region lab needs entry-mode workloads (this one is {baseline.config.mode} mode)")
+    target = Backend(backend)
+    config = baseline.config
+    memory_limit_mb = config.memory_limit_mb or default_memory_limit_mb()
+    env = scrubbed_env(target.child_env(), threads=config.threads, seed=config.seed)
+    with scratch_dir("trainbridge-run-region-") as tmp_dir:
+        request = {"backend": target.name, "threads": config.threads, "seed": config.seed, "budget_s": budget_s,
+                   "max_reps": max_reps, "min_reps": min_reps, "result_path": str(tmp_dir / "result.json"),
+                   "sites": [site.model_dump(mode="json") for site in sites],
+                   "baseline": _side(baseline), "candidate": _side(candidate)}
+        (tmp_dir / "request.json").write_text(json.dumps(request), encoding="utf-8")
+        argv = [*isolation.prefix, sys.executable, "-m", "trainbridge.sandbox.region_bench", str(tmp_dir / "request.json")]
+        outcome = _run_child(argv, cwd=candidate.root, env=env, memory_limit_mb=memory_limit_mb, timeout_s=timeout_s,
+                             tmp_dir=tmp_dir, on_progress=None)
+        result_path = tmp_dir / "result.json"
+        if outcome.timed_out:
+            return unisolated(f"the region child gave no result within {timeout_s:g} s; its process group was killed")
+        if not result_path.exists():
+            tail = outcome.stderr.strip().splitlines()[-1:] or [f"exit code {outcome.returncode}"]
+            return unisolated(f"the region child died without a result ({tail[0][:300]})")
+        payload = json.loads(result_path.read_text(encoding="utf-8"))
+    if "unisolated" in payload:
+        return unisolated(f"region not isolated: {payload['unisolated']}")
+    if "failure" in payload:
+        return unisolated(f"the region child failed ({payload['failure']['kind']}): {payload['failure']['message'][:500]}")
+    interval = (float(payload["interval"][0]), float(payload["interval"][1]))
+    verdict = classify(interval)
+    site = SourceSpan.model_validate(payload["site"])
+    where = f"{payload['qualname']}" + (f" on model.{payload['module_path']}" if payload.get("module_path") else "")
+    message = (f"region {where} ({site}) alone, forward + backward, {payload['reps']} interleaved repetitions per side: "
+               f"baseline {payload['baseline_median_s'] * 1e3:.3f} ms, candidate {payload['candidate_median_s'] * 1e3:.3f} ms "
+               f"(median), ratio {payload['ratio']:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]: {verdict}")
+    return RegionTiming(site=site, qualname=payload["qualname"], module_path=payload.get("module_path"), shapes=payload["shapes"],
+                        reps=payload["reps"], baseline_median_s=payload["baseline_median_s"],
+                        candidate_median_s=payload["candidate_median_s"], ratio=payload["ratio"], interval=interval,
+                        verdict=verdict, message=message, wall_s=time.monotonic() - started, network_isolated=isolation.isolated)
+
+
+def _side(workload: Workload) -> dict:
+    return {"root": str(workload.root), "entry": workload.config.entry, "pythonpath": list(workload.config.pythonpath)}

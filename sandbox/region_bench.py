@@ -1,0 +1,358 @@
+"""The region lab's child: time one rewritten region alone, baseline vs candidate, inside the sandbox.
+
+Runs as ``python -m trainbridge.sandbox.region_bench REQUEST.json`` (started by
+agents/profiler/region_lab.py with the gate's confinement: scrubbed environment, memory cap, own
+process group, timeout kill, no network where the host allows). The request names both roots, their
+entries and the sites; the request file is deleted before any workload code runs.
+
+In one child:
+
+1. the baseline's parts are built (sandbox/harness.py `load_parts`) and one training step runs with a
+   profile hook on the region's code object that records the first call's real arguments (tensors
+   cloned, `requires_grad` as they were); for a method, the instance's path in the model
+   (`named_modules`) is kept so the candidate's twin instance is found by the same path;
+2. the baseline's modules (those whose files lie under its root) move out of `sys.modules`, and the
+   candidate's parts are built from its own root (the two roots hold modules of the same names);
+3. baseline region and candidate region run forward + backward (sum of the outputs' float values)
+   on the captured inputs, interleaved A B B A ..., until a time budget or a repetition cap; the
+   result has the medians per side, their ratio and a bootstrap interval on it.
+
+A region that cannot be isolated (no function known, not found, not called in the step, another
+signature in the candidate) comes back as ``{"unisolated": "why"}``, never as an exception.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+BOOTSTRAP_SAMPLES = 1000
+WARMUP_CALLS = 3
+
+
+class Unisolated(Exception):
+    """The region cannot be timed alone; the message says why."""
+
+
+def qualname_for(path: Path, function: str | None, line: int) -> str:
+    """The qualified name (`f`, `Class.method`) of the def named `function` in `path` (the innermost def
+    enclosing `line` when `function` is None, or when several defs share the name)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError) as exc:
+        raise Unisolated(f"{path.name}: cannot be parsed ({exc})") from exc
+    found: list[tuple[str, ast.AST, bool]] = []
+
+    def walk(node: ast.AST, prefix: str, nested: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    found.append((name, child, nested))
+                inner = nested or not isinstance(child, ast.ClassDef)
+                walk(child, f"{name}.<locals>." if not isinstance(child, ast.ClassDef) else f"{name}.", inner)
+
+    walk(tree, "", False)
+    named = [(q, n, nested) for q, n, nested in found if function is None or q.rsplit(".", 1)[-1] == function]
+    enclosing = [(q, n, nested) for q, n, nested in named if n.lineno <= line <= (n.end_lineno or n.lineno)]
+    pick = enclosing[-1:] or (named if len(named) == 1 else [])
+    if not pick:
+        what = f"no def named {function!r}" if function else f"no function encloses line {line}"
+        raise Unisolated(f"{path.name}: {what}" + (f" ({len(named)} defs share that name)" if len(named) > 1 else ""))
+    qualname, _, nested = pick[0]
+    if nested or "<locals>" in qualname:
+        raise Unisolated(f"{qualname} is defined inside another function: it has no name to import it by")
+    return qualname
+
+
+def module_of(root: Path, file: str):
+    """The imported module whose file is `root/file`."""
+    target = (root / file).resolve()
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if path and Path(path).resolve() == target:
+            return module
+    raise Unisolated(f"{file} was not imported by the workload")
+
+
+def resolve(module, qualname: str):
+    """The function object (for a method: the class's function) at `qualname` in `module`."""
+    owner, value = None, module
+    for part in qualname.split("."):
+        owner, value = value, getattr(value, part, None)
+        if value is None:
+            raise Unisolated(f"{module.__name__} has no {qualname}")
+    value = inspect.unwrap(value)
+    if not inspect.isfunction(value):
+        raise Unisolated(f"{qualname} is a {type(value).__name__}, not a Python function")
+    return value, (owner if inspect.isclass(owner) else None)
+
+
+def capture_call(code, run_step) -> dict[str, Any]:
+    """Run one step; the locals of the first frame of `code` at its entry (its arguments)."""
+    seen: dict[str, Any] = {}
+
+    def hook(frame, event, _arg):
+        if event == "call" and frame.f_code is code and not seen:
+            seen.update(frame.f_locals)
+            seen["__frame_args__"] = _clone_args(dict(frame.f_locals), code)
+
+    previous = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        run_step()
+    finally:
+        sys.setprofile(previous)
+    if not seen:
+        raise Unisolated(f"{code.co_qualname} was not called during the training step")
+    return seen
+
+
+def _arg_names(code) -> tuple[list[str], list[str], str | None, str | None]:
+    positional = list(code.co_varnames[: code.co_argcount])
+    keyword = list(code.co_varnames[code.co_argcount: code.co_argcount + code.co_kwonlyargcount])
+    index = code.co_argcount + code.co_kwonlyargcount
+    star = code.co_varnames[index] if code.co_flags & inspect.CO_VARARGS else None
+    index += 1 if star else 0
+    starstar = code.co_varnames[index] if code.co_flags & inspect.CO_VARKEYWORDS else None
+    return positional, keyword, star, starstar
+
+
+def _clone_args(local: dict[str, Any], code) -> dict[str, Any]:
+    positional, keyword, star, starstar = _arg_names(code)
+    names = positional + keyword + [n for n in (star, starstar) if n]
+    return {name: _clone(local[name]) for name in names if name in local}
+
+
+def _clone(value):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        copy = value.detach().clone()
+        return copy.requires_grad_(value.requires_grad) if copy.is_floating_point() or copy.is_complex() else copy
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value) if not hasattr(value, "_fields") else type(value)(*(_clone(v) for v in value))
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value
+
+
+def shapes_of(args: dict[str, Any]) -> dict[str, str]:
+    import torch
+
+    def describe(value) -> str | None:
+        if isinstance(value, torch.Tensor):
+            return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}" + (" grad" if value.requires_grad else "")
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            return "[" + ", ".join(describe(v) or type(v).__name__ for v in value) + "]"
+        return None
+
+    return {name: text for name, value in args.items() if (text := describe(value)) is not None}
+
+
+def build_call(function, code, args: dict[str, Any], self_value=None):
+    """`prepare() -> run` pairs: `prepare` (untimed) clones the captured arguments (an in-place edit of an
+    input never reaches the next repetition), `run()` calls `function` on them, with `self_value` in place
+    of the recorded `self`."""
+    positional, keyword, star, starstar = _arg_names(code)
+
+    def prepare():
+        values = {name: _clone(value) for name, value in args.items()}
+        if self_value is not None:
+            values[positional[0]] = self_value
+        head = [values[name] for name in positional if name in values]
+        head += list(values.get(star, ())) if star else []
+        kwargs = {name: values[name] for name in keyword if name in values}
+        kwargs.update(values.get(starstar, {}) if starstar else {})
+        return lambda: function(*head, **kwargs)
+
+    return prepare
+
+
+def fwd_bwd(run) -> None:
+    """Forward, then backward of the sum of the outputs that carry a gradient."""
+    import torch
+
+    out = run()
+    tensors = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if tensors:
+        loss = sum(t.float().sum() for t in tensors)
+        loss.backward()
+
+
+def _flatten(value):
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _flatten(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _flatten(item)
+    else:
+        yield value
+
+
+def time_pair(call_a, call_b, sync, *, budget_s: float, max_reps: int, min_reps: int) -> tuple[list[float], list[float]]:
+    """Interleaved A B B A ... timings (s) of forward + backward, until `budget_s` or `max_reps` per side."""
+    for _ in range(WARMUP_CALLS):
+        fwd_bwd(call_a())
+        fwd_bwd(call_b())
+    times_a: list[float] = []
+    times_b: list[float] = []
+    deadline = time.monotonic() + budget_s
+    rep = 0
+    while len(times_a) < max_reps and (len(times_a) < min_reps or time.monotonic() < deadline):
+        order = ((call_a, times_a), (call_b, times_b)) if rep % 2 == 0 else ((call_b, times_b), (call_a, times_a))
+        for prepare, times in order:
+            run = prepare()
+            sync()
+            started = time.perf_counter()
+            fwd_bwd(run)
+            sync()
+            times.append(time.perf_counter() - started)
+        rep += 1
+    return times_a, times_b
+
+
+def ratio_interval(times_a: list[float], times_b: list[float], *, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Bootstrap interval on median(B) / median(A), resampling the A/B pairs together (they were interleaved)."""
+    import torch
+
+    a, b = torch.tensor(times_a, dtype=torch.float64), torch.tensor(times_b, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.randint(0, len(a), (BOOTSTRAP_SAMPLES, len(a)), generator=generator)
+    ratios = b[index].median(dim=1).values / a[index].median(dim=1).values
+    tail = (1 - level) / 2
+    return float(torch.quantile(ratios, tail)), float(torch.quantile(ratios, 1 - tail))
+
+
+def _forget_modules(root: Path) -> dict[str, Any]:
+    """Move the modules imported from `root` out of `sys.modules` (their objects stay alive)."""
+    root = root.resolve()
+    moved = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if path and Path(path).resolve().is_relative_to(root):
+            moved[name] = sys.modules.pop(name)
+    while str(root) in sys.path:
+        sys.path.remove(str(root))
+    return moved
+
+
+def _region_side(root: Path, site: dict[str, Any], qualname: str):
+    module = module_of(root, site["file"])
+    return resolve(module, qualname)
+
+
+def measure(request: dict[str, Any]) -> dict[str, Any]:
+    """Build both sides, capture the region's inputs from one baseline step, time both regions."""
+    import torch
+
+    from trainbridge.sandbox.backends import Backend
+    from trainbridge.sandbox.harness import load_parts, seed_everything
+
+    backend = Backend(request["backend"])
+    backend.prepare()
+    torch.set_num_threads(int(request["threads"]))
+    seed = int(request["seed"])
+    base_root, cand_root = Path(request["baseline"]["root"]), Path(request["candidate"]["root"])
+    skipped: list[str] = []
+    for site in request["sites"]:
+        try:
+            qualname = qualname_for(base_root / site["file"], site.get("function"), int(site["line_start"]))
+            break
+        except Unisolated as exc:
+            skipped.append(f"{site['file']}:{site['line_start']}: {exc}")
+    else:
+        raise Unisolated("; ".join(skipped) or "the candidate names no site")
+
+    def parts_of(side: dict[str, Any]) -> dict[str, Any]:
+        root = Path(side["root"])
+        for extra in side.get("pythonpath", []):
+            sys.path.insert(0, str(root / extra))
+        seed_everything(seed)
+        return load_parts(root, side["entry"], backend.device, seed)
+
+    base_parts = parts_of(request["baseline"])
+    base_fn, base_owner = _region_side(base_root, site, qualname)
+    seed_everything(seed)
+    batch = base_parts["batch"](0)
+    captured = capture_call(base_fn.__code__,
+                            lambda: base_parts["train_step"](base_parts["model"], base_parts["optimizer"], batch))
+    args = captured["__frame_args__"]
+    path = None
+    if base_owner is not None:
+        self_name = _arg_names(base_fn.__code__)[0][:1]
+        instance = captured.get(self_name[0]) if self_name else None
+        paths = [name for name, module in base_parts["model"].named_modules() if module is instance]
+        if not paths:
+            raise Unisolated(f"{qualname} was called on an object that is not a submodule of the model")
+        path = paths[0]
+    _forget_modules(base_root)
+    for extra in request["baseline"].get("pythonpath", []):
+        while str(base_root / extra) in sys.path:
+            sys.path.remove(str(base_root / extra))
+    cand_parts = parts_of(request["candidate"])
+    cand_fn, cand_owner = _region_side(cand_root, site, qualname)
+    if (base_owner is None) != (cand_owner is None):
+        raise Unisolated(f"{qualname} is a method on one side and a function on the other")
+    if _arg_names(base_fn.__code__) != _arg_names(cand_fn.__code__):
+        raise Unisolated(f"{qualname}'s signature differs: {inspect.signature(base_fn)} vs {inspect.signature(cand_fn)}")
+    base_self = cand_self = None
+    if path is not None:
+        base_self = base_parts["model"].get_submodule(path)
+        try:
+            cand_self = cand_parts["model"].get_submodule(path)
+        except AttributeError as exc:
+            raise Unisolated(f"the candidate's model has no submodule {path!r}") from exc
+        if not isinstance(cand_self, cand_owner):
+            raise Unisolated(f"the candidate's {path!r} is a {type(cand_self).__name__}, not a {cand_owner.__name__}")
+    code = base_fn.__code__
+    call_a = build_call(base_fn, code, args, base_self)
+    call_b = build_call(cand_fn, cand_fn.__code__, args, cand_self)
+    times_a, times_b = time_pair(call_a, call_b, backend.sync, budget_s=float(request["budget_s"]),
+                                 max_reps=int(request["max_reps"]), min_reps=int(request["min_reps"]))
+    median_a, median_b = _median(times_a), _median(times_b)
+    low, high = ratio_interval(times_a, times_b, seed=seed)
+    shapes = shapes_of(args)
+    return {"site": site, "qualname": qualname, "module_path": path, "shapes": shapes, "reps": len(times_a),
+            "baseline_median_s": median_a, "candidate_median_s": median_b, "ratio": median_b / median_a,
+            "interval": [low, high], "skipped_sites": skipped}
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m trainbridge.sandbox.region_bench REQUEST.json", file=sys.stderr)
+        return 2
+    from trainbridge.sandbox.harness import HarnessFailure, write_json_atomic
+
+    request_path = Path(argv[0])
+    request = json.loads(request_path.read_text(encoding="utf-8"))
+    request_path.unlink()  # the workload runs in this process: it must not read what the lab asked
+    try:
+        result: dict[str, Any] = measure(request)
+    except Unisolated as exc:
+        result = {"unisolated": str(exc)}
+    except HarnessFailure as exc:
+        result = {"failure": {"kind": exc.kind, "message": exc.message[:2000]}}
+    except BaseException as exc:  # the workload's own error: reported, never raised into the parent
+        result = {"failure": {"kind": "exception", "message": f"{type(exc).__name__}: {exc}"[:2000],
+                              "traceback_tail": "".join(traceback.format_exception(exc))[-3000:]}}
+    write_json_atomic(Path(request["result_path"]), result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
