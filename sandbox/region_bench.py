@@ -15,7 +15,8 @@ In one child:
    candidate's parts are built from its own root (the two roots hold modules of the same names);
 3. baseline region and candidate region run forward + backward (sum of the outputs' float values)
    on the captured inputs, interleaved A B B A ..., until a time budget or a repetition cap; the
-   result has the medians per side, their ratio and a bootstrap interval on it.
+   result has the medians per side, the median of the per-repetition ratios B/A and an
+   order-statistic interval on it (every sample is kept).
 
 A region that cannot be isolated (no function known, not found, not called in the step, another
 signature in the candidate) comes back as ``{"unisolated": "why"}``, never as an exception.
@@ -26,13 +27,13 @@ from __future__ import annotations
 import ast
 import inspect
 import json
+import math
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-BOOTSTRAP_SAMPLES = 1000
 WARMUP_CALLS = 3
 
 
@@ -219,16 +220,23 @@ def time_pair(call_a, call_b, sync, *, budget_s: float, max_reps: int, min_reps:
     return times_a, times_b
 
 
-def ratio_interval(times_a: list[float], times_b: list[float], *, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
-    """Bootstrap interval on median(B) / median(A), resampling the A/B pairs together (they were interleaved)."""
-    import torch
+def paired_ratios(times_a: list[float], times_b: list[float]) -> list[float]:
+    """B/A per repetition: the two sides of a repetition ran back to back, so a busy phase of the machine
+    slows both and cancels out of their ratio."""
+    return [b / a for a, b in zip(times_a, times_b) if a > 0]
 
-    a, b = torch.tensor(times_a, dtype=torch.float64), torch.tensor(times_b, dtype=torch.float64)
-    generator = torch.Generator().manual_seed(seed)
-    index = torch.randint(0, len(a), (BOOTSTRAP_SAMPLES, len(a)), generator=generator)
-    ratios = b[index].median(dim=1).values / a[index].median(dim=1).values
-    tail = (1 - level) / 2
-    return float(torch.quantile(ratios, tail)), float(torch.quantile(ratios, 1 - tail))
+
+def median_interval(values: list[float], *, level: float = 0.95) -> tuple[float, float]:
+    """Distribution-free interval on the median: the order statistics (k, n + 1 - k) whose binomial
+    coverage is at least `level` (the whole range when n is too small)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    tail, cumulative, k = (1 - level) / 2, 0.0, 0
+    while k < n and cumulative + math.comb(n, k) / 2**n <= tail:
+        cumulative += math.comb(n, k) / 2**n
+        k += 1
+    k = max(k, 1)  # 1-based: ordered[k - 1] .. ordered[n - k]
+    return ordered[k - 1], ordered[n - k]
 
 
 def _forget_modules(root: Path) -> dict[str, Any]:
@@ -258,7 +266,7 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
 
     backend = Backend(request["backend"])
     backend.prepare()
-    torch.set_num_threads(int(request["threads"]))
+    torch.set_num_threads(int(request["threads"]))  # the lab may ask fewer than the workload's (see region_lab.py)
     seed = int(request["seed"])
     base_root, cand_root = Path(request["baseline"]["root"]), Path(request["candidate"]["root"])
     skipped: list[str] = []
@@ -318,11 +326,12 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
     times_a, times_b = time_pair(call_a, call_b, backend.sync, budget_s=float(request["budget_s"]),
                                  max_reps=int(request["max_reps"]), min_reps=int(request["min_reps"]))
     median_a, median_b = _median(times_a), _median(times_b)
-    low, high = ratio_interval(times_a, times_b, seed=seed)
+    ratios = paired_ratios(times_a, times_b)
+    low, high = median_interval(ratios)
     shapes = shapes_of(args)
     return {"site": site, "qualname": qualname, "module_path": path, "shapes": shapes, "reps": len(times_a),
-            "baseline_median_s": median_a, "candidate_median_s": median_b, "ratio": median_b / median_a,
-            "interval": [low, high], "skipped_sites": skipped}
+            "baseline_median_s": median_a, "candidate_median_s": median_b, "ratio": _median(ratios),
+            "interval": [low, high], "skipped_sites": skipped, "baseline_times_s": times_a, "candidate_times_s": times_b}
 
 
 def _median(values: list[float]) -> float:

@@ -48,10 +48,13 @@ class RegionTiming(BaseModel):
     reps: int = Field(default=0, description="forward + backward repetitions per side")
     baseline_median_s: float | None = None
     candidate_median_s: float | None = None
-    ratio: float | None = Field(default=None, description="candidate / baseline median; < 1 is faster")
-    interval: tuple[float, float] | None = Field(default=None, description="95% bootstrap interval on the ratio")
+    ratio: float | None = Field(default=None, description="median over repetitions of candidate / baseline time; < 1 is faster")
+    interval: tuple[float, float] | None = Field(default=None, description="95% order-statistic interval on that median")
+    threads: int | None = None
     verdict: RegionVerdict
     message: str
+    baseline_times_s: list[float] = Field(default_factory=list, description="every repetition, in order")
+    candidate_times_s: list[float] = Field(default_factory=list)
     wall_s: float = 0.0
     network_isolated: bool = False
 
@@ -75,10 +78,12 @@ def classify(interval: tuple[float, float]) -> RegionVerdict:
 
 def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: list[SourceSpan], *, backend: str = "cpu",
                 timeout_s: float = DEFAULT_TIMEOUT_S, budget_s: float = DEFAULT_BUDGET_S, max_reps: int = 300,
-                min_reps: int = 20) -> RegionTiming:
+                min_reps: int = 20, threads: int | None = None) -> RegionTiming:
     """Time the candidate's region against the baseline's in one sandboxed child; never raises for the
     workloads' faults (they come back as verdict "unisolated" with the reason). The workloads may be given
-    as their roots (their trainbridge.toml is read)."""
+    as their roots (their trainbridge.toml is read). `threads`: torch's thread count in the child (default:
+    the workload's; one thread keeps a region's few-millisecond timings clear of OpenMP spin-waits
+    when another process shares the cores)."""
     started = time.monotonic()
     baseline = baseline if isinstance(baseline, Workload) else load_workload(Path(baseline))
     candidate = candidate if isinstance(candidate, Workload) else load_workload(Path(candidate))
@@ -95,9 +100,10 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
     target = Backend(backend)
     config = baseline.config
     memory_limit_mb = config.memory_limit_mb or default_memory_limit_mb()
-    env = scrubbed_env(target.child_env(), threads=config.threads, seed=config.seed)
+    threads = threads or config.threads
+    env = scrubbed_env(target.child_env(), threads=threads, seed=config.seed)
     with scratch_dir("trainbridge-run-region-") as tmp_dir:
-        request = {"backend": target.name, "threads": config.threads, "seed": config.seed, "budget_s": budget_s,
+        request = {"backend": target.name, "threads": threads, "seed": config.seed, "budget_s": budget_s,
                    "max_reps": max_reps, "min_reps": min_reps, "result_path": str(tmp_dir / "result.json"),
                    "sites": [site.model_dump(mode="json") for site in sites],
                    "baseline": _side(baseline), "candidate": _side(candidate)}
@@ -120,13 +126,15 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
     verdict = classify(interval)
     site = SourceSpan.model_validate(payload["site"])
     where = f"{payload['qualname']}" + (f" on model.{payload['module_path']}" if payload.get("module_path") else "")
-    message = (f"region {where} ({site}) alone, forward + backward, {payload['reps']} interleaved repetitions per side: "
+    message = (f"region {where} ({site}) alone, forward + backward, {payload['reps']} interleaved repetitions per side, "
+               f"{threads} thread(s): "
                f"baseline {payload['baseline_median_s'] * 1e3:.3f} ms, candidate {payload['candidate_median_s'] * 1e3:.3f} ms "
-               f"(median), ratio {payload['ratio']:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]: {verdict}")
+               f"(medians), paired ratio {payload['ratio']:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]: {verdict}")
     return RegionTiming(site=site, qualname=payload["qualname"], module_path=payload.get("module_path"), shapes=payload["shapes"],
                         reps=payload["reps"], baseline_median_s=payload["baseline_median_s"],
                         candidate_median_s=payload["candidate_median_s"], ratio=payload["ratio"], interval=interval,
-                        verdict=verdict, message=message, wall_s=time.monotonic() - started, network_isolated=isolation.isolated)
+                        verdict=verdict, message=message, baseline_times_s=payload["baseline_times_s"],
+                        candidate_times_s=payload["candidate_times_s"], threads=threads, wall_s=time.monotonic() - started, network_isolated=isolation.isolated)
 
 
 def _side(workload: Workload) -> dict:
