@@ -22,6 +22,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainbridge.agents.profiler.conduct import changed_files, snapshot_tree
+from trainbridge.agents.profiler.integrity import Finding, FindingKind
+from trainbridge.agents.profiler.verdict import Verdict, VerdictReason
 from trainbridge.records import SourceSpan
 from trainbridge.sandbox.backends import Backend
 from trainbridge.sandbox.isolation import default_memory_limit_mb, network_isolation, scrubbed_env
@@ -55,6 +58,8 @@ class RegionTiming(BaseModel):
     message: str
     baseline_times_s: list[float] = Field(default_factory=list, description="every repetition, in order")
     candidate_times_s: list[float] = Field(default_factory=list)
+    written: list[str] = Field(default_factory=list, description="files the child changed in the two worktrees "
+                               "(baseline/..., candidate/...): gate-gaming, as in a gate child")
     wall_s: float = 0.0
     network_isolated: bool = False
 
@@ -102,6 +107,7 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
     memory_limit_mb = config.memory_limit_mb or default_memory_limit_mb()
     threads = threads or config.threads
     env = scrubbed_env(target.child_env(), threads=threads, seed=config.seed)
+    before = {side: snapshot_tree(w.root) for side, w in (("baseline", baseline), ("candidate", candidate))}
     with scratch_dir("trainbridge-run-region-") as tmp_dir:
         request = {"backend": target.name, "threads": threads, "seed": config.seed, "budget_s": budget_s,
                    "max_reps": max_reps, "min_reps": min_reps, "result_path": str(tmp_dir / "result.json"),
@@ -112,6 +118,11 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
         outcome = _run_child(argv, cwd=candidate.root, env=env, memory_limit_mb=memory_limit_mb, timeout_s=timeout_s,
                              tmp_dir=tmp_dir, on_progress=None)
         result_path = tmp_dir / "result.json"
+        written = [f"{side}/{path}" for side, w in (("baseline", baseline), ("candidate", candidate))
+                   for path in changed_files(before[side], snapshot_tree(w.root))]
+        if written:
+            timing = unisolated(f"the region child wrote into the worktrees under test ({', '.join(written[:5])})")
+            return timing.model_copy(update={"written": written})
         if outcome.timed_out:
             return unisolated(f"the region child gave no result within {timeout_s:g} s; its process group was killed")
         if not result_path.exists():
@@ -139,3 +150,20 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
 
 def _side(workload: Workload) -> dict:
     return {"root": str(workload.root), "entry": workload.config.entry, "pythonpath": list(workload.config.pythonpath)}
+
+
+def region_verdict(timing: RegionTiming, *, backend: str) -> Verdict | None:
+    """The verdict that stops a candidate before the whole-step gate, or None (the gate runs): `region_slower`
+    when the region is clearly slower, `tampered_harness` when the child wrote into a worktree under test.
+    Anything else, an unisolated region included, lets the gate decide."""
+    region = timing.model_dump(mode="json")
+    if timing.written:
+        finding = Finding(kind=FindingKind.tampered_harness, message=f"region lab: {timing.message}")
+        return Verdict(accepted=False, reason=VerdictReason.tampered_harness, message=finding.message, backend=backend,
+                       phase="region", findings=[finding], region=region, wall_s=timing.wall_s)
+    if not clearly_slower(timing):
+        return None
+    message = (f"skipped the whole-step gate: {timing.message}; the whole interval lies above {SLOWER_BOUND:.2f}: the rewrite "
+               "makes its own region clearly slower (set TRAINBRIDGE_REGION_LAB=off to gate it anyway)")
+    return Verdict(accepted=False, reason=VerdictReason.region_slower, message=message, backend=backend, phase="region",
+                   region=region, ratio=None, wall_s=timing.wall_s, phase_seconds={"region": round(timing.wall_s, 3)})
