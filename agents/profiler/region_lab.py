@@ -28,7 +28,7 @@ from trainbridge.agents.profiler.verdict import Verdict, VerdictReason
 from trainbridge.records import SourceSpan
 from trainbridge.sandbox.backends import Backend
 from trainbridge.sandbox.isolation import default_memory_limit_mb, network_isolation, scrubbed_env
-from trainbridge.sandbox.runner import _run_child
+from trainbridge.sandbox.runner import run_confined
 from trainbridge.sandbox.scratch import scratch_dir
 from trainbridge.sandbox.workload import Workload, load_workload
 
@@ -115,8 +115,8 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
                    "baseline": _side(baseline), "candidate": _side(candidate)}
         (tmp_dir / "request.json").write_text(json.dumps(request), encoding="utf-8")
         argv = [*isolation.prefix, sys.executable, "-m", "trainbridge.sandbox.region_bench", str(tmp_dir / "request.json")]
-        outcome = _run_child(argv, cwd=candidate.root, env=env, memory_limit_mb=memory_limit_mb, timeout_s=timeout_s,
-                             tmp_dir=tmp_dir, on_progress=None)
+        outcome = run_confined(argv, cwd=candidate.root, env=env, memory_limit_mb=memory_limit_mb, timeout_s=timeout_s,
+                               tmp_dir=tmp_dir)
         result_path = tmp_dir / "result.json"
         written = [f"{side}/{path}" for side, w in (("baseline", baseline), ("candidate", candidate))
                    for path in changed_files(before[side], snapshot_tree(w.root))]
