@@ -239,6 +239,29 @@ def median_interval(values: list[float], *, level: float = 0.95) -> tuple[float,
     return ordered[k - 1], ordered[n - k]
 
 
+def twin_args(args: dict[str, Any], base_parts: dict[str, Any], cand_parts: dict[str, Any]) -> dict[str, Any]:
+    """The captured arguments with the baseline's objects (its model's submodules, its optimizer) replaced by
+    the candidate's twins at the same place, so a region that takes the model runs the candidate's."""
+    paths = {id(module): name for name, module in base_parts["model"].named_modules()}
+    twins = {id(base_parts["optimizer"]): cand_parts["optimizer"]}
+
+    def swap(value):
+        if id(value) in twins:
+            return twins[id(value)]
+        if id(value) in paths:
+            try:
+                return cand_parts["model"].get_submodule(paths[id(value)])
+            except AttributeError as exc:
+                raise Unisolated(f"the candidate's model has no submodule {paths[id(value)]!r}") from exc
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return type(value)(swap(v) for v in value)
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        return value
+
+    return {name: swap(value) for name, value in args.items()}
+
+
 def _forget_modules(root: Path) -> dict[str, Any]:
     """Move the modules imported from `root` out of `sys.modules` (their objects stay alive)."""
     root = root.resolve()
@@ -322,7 +345,7 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
             raise Unisolated(f"the candidate's {path!r} is a {type(cand_self).__name__}, not a {cand_owner.__name__}")
     code = base_fn.__code__
     call_a = build_call(base_fn, code, args, base_self)
-    call_b = build_call(cand_fn, cand_fn.__code__, args, cand_self)
+    call_b = build_call(cand_fn, cand_fn.__code__, twin_args(args, base_parts, cand_parts), cand_self)
     times_a, times_b = time_pair(call_a, call_b, backend.sync, budget_s=float(request["budget_s"]),
                                  max_reps=int(request["max_reps"]), min_reps=int(request["min_reps"]))
     median_a, median_b = _median(times_a), _median(times_b)

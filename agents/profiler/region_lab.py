@@ -36,6 +36,7 @@ SWITCH = "TRAINBRIDGE_REGION_LAB"
 SLOWER_BOUND = 1.10  # a skip must be safe: the region's whole interval at least 10% slower
 DEFAULT_BUDGET_S = 3.0
 DEFAULT_TIMEOUT_S = 120.0
+LAB_THREADS = 1  # see time_region: a few-millisecond region at 2 threads on a shared 2-core host times OpenMP spin-waits
 RegionVerdict = Literal["faster", "slower", "same", "unisolated"]
 
 
@@ -83,11 +84,11 @@ def classify(interval: tuple[float, float]) -> RegionVerdict:
 
 def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: list[SourceSpan], *, backend: str = "cpu",
                 timeout_s: float = DEFAULT_TIMEOUT_S, budget_s: float = DEFAULT_BUDGET_S, max_reps: int = 300,
-                min_reps: int = 20, threads: int | None = None) -> RegionTiming:
+                min_reps: int = 20, threads: int | None = LAB_THREADS) -> RegionTiming:
     """Time the candidate's region against the baseline's in one sandboxed child; never raises for the
     workloads' faults (they come back as verdict "unisolated" with the reason). The workloads may be given
-    as their roots (their trainbridge.toml is read). `threads`: torch's thread count in the child (default:
-    the workload's; one thread keeps a region's few-millisecond timings clear of OpenMP spin-waits
+    as their roots (their trainbridge.toml is read). `threads`: torch's thread count in the child (None: the
+    workload's; the default, one thread, keeps a region's few-millisecond timings clear of OpenMP spin-waits
     when another process shares the cores)."""
     started = time.monotonic()
     baseline = baseline if isinstance(baseline, Workload) else load_workload(Path(baseline))
