@@ -176,15 +176,28 @@ def build_call(function, code, args: dict[str, Any], self_value=None):
     return prepare
 
 
-def fwd_bwd(run) -> None:
-    """Forward, then backward of the sum of the outputs that carry a gradient."""
+def fwd_bwd(run, backward: bool = True) -> None:
+    """Forward, then (when `backward`) backward of the sum of the outputs that carry a gradient."""
     import torch
 
     out = run()
     tensors = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if tensors:
+    if tensors and backward:
         loss = sum(t.float().sum() for t in tensors)
         loss.backward()
+
+
+def needs_backward(prepare) -> bool:
+    """False for a region that runs its own backward (a train_step returning its loss): a second backward
+    through its freed graph would fail, and its timing already holds the backward pass."""
+    try:
+        fwd_bwd(prepare())
+    except RuntimeError as exc:
+        if "backward through the graph a second time" not in str(exc):
+            raise
+        fwd_bwd(prepare(), backward=False)
+        return False
+    return True
 
 
 def _flatten(value):
@@ -200,9 +213,10 @@ def _flatten(value):
 
 def time_pair(call_a, call_b, sync, *, budget_s: float, max_reps: int, min_reps: int) -> tuple[list[float], list[float]]:
     """Interleaved A B B A ... timings (s) of forward + backward, until `budget_s` or `max_reps` per side."""
-    for _ in range(WARMUP_CALLS):
-        fwd_bwd(call_a())
-        fwd_bwd(call_b())
+    backward = needs_backward(call_a) and needs_backward(call_b)
+    for _ in range(WARMUP_CALLS - 1):
+        fwd_bwd(call_a(), backward)
+        fwd_bwd(call_b(), backward)
     times_a: list[float] = []
     times_b: list[float] = []
     deadline = time.monotonic() + budget_s
@@ -213,7 +227,7 @@ def time_pair(call_a, call_b, sync, *, budget_s: float, max_reps: int, min_reps:
             run = prepare()
             sync()
             started = time.perf_counter()
-            fwd_bwd(run)
+            fwd_bwd(run, backward)
             sync()
             times.append(time.perf_counter() - started)
         rep += 1

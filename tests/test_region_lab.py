@@ -35,14 +35,14 @@ MIX_BODY = """    gate = torch.sigmoid(x @ weight)
 FAST = {"budget_s": 1.0, "max_reps": 200, "min_reps": 20}
 
 
-def _pair(tmp_path: Path, old: str | None = None, new: str | None = None) -> tuple[Path, Path]:
+def _pair(tmp_path: Path, old: str | None = None, new: str | None = None, file: str = "model.py") -> tuple[Path, Path]:
     baseline, candidate = tmp_path / "baseline", tmp_path / "candidate"
     shutil.copytree(FIXTURE, baseline)
     shutil.copytree(FIXTURE, candidate)
     if old is not None:
-        text = (candidate / "model.py").read_text(encoding="utf-8")
+        text = (candidate / file).read_text(encoding="utf-8")
         assert old in text
-        (candidate / "model.py").write_text(text.replace(old, new), encoding="utf-8")
+        (candidate / file).write_text(text.replace(old, new), encoding="utf-8")
     return baseline, candidate
 
 
@@ -204,3 +204,16 @@ def test_a_hanging_region_is_killed_at_the_timeout(tmp_path):
     baseline, candidate = _pair(tmp_path, "def mix(x, weight):\n", "def mix(x, weight):\n    import time\n    time.sleep(600)\n")
     timing = time_region(baseline, candidate, [MIX], timeout_s=15, **FAST)
     assert timing.verdict == "unisolated" and "killed" in timing.message and timing.wall_s < 40
+
+
+def test_a_function_region_taking_the_model_gets_the_candidates_twin(tmp_path):
+    """train_step(model, optimizer, batch) as the region: the candidate's side runs on the candidate's own
+    model and optimizer (same paths in the model), not on the baseline's objects captured from the step."""
+    check = ("    assert '/candidate/' in type(model.blocks[0].norm).forward.__code__.co_filename, 'got the baseline model'\n"
+             "    assert all(p is q for p, q in zip(optimizer.param_groups[0]['params'], model.parameters()))\n")
+    baseline, candidate = _pair(tmp_path, "def train_step(model, optimizer, batch):\n",
+                                "def train_step(model, optimizer, batch):\n" + check, file="train.py")
+    site = SourceSpan(file="train.py", line_start=14, line_end=18, function="train_step")
+    timing = time_region(baseline, candidate, [site], **FAST)
+    assert timing.verdict != "unisolated", timing.message
+    assert timing.qualname == "train_step" and "model" not in timing.shapes and not clearly_slower(timing)
