@@ -27,7 +27,7 @@ from pathlib import Path
 
 from trainbridge.agents.analyst.static.scan import scan_repo
 from trainbridge.agents.profiler.gate import run_gate
-from trainbridge.agents.profiler.region_lab import clearly_slower, time_region
+from trainbridge.agents.profiler.region_lab import RegionTiming, clearly_slower, time_region
 from trainbridge.knowledge.schema import Target, load_recipe_dir
 from trainbridge.knowledge.store import SEED_DIR
 from trainbridge.sandbox.workload import load_workload
@@ -59,14 +59,16 @@ def candidates(example: Path, scratch: Path) -> list[dict]:
     return found
 
 
-def judge(baseline: Path, entry: dict, *, gate: bool, rounds: int, budget_s: float) -> dict:
+def judge(baseline: Path, entry: dict, *, gate: bool, rounds: int, budget_s: float, steps: int | None) -> dict:
     started = time.monotonic()
     timing = time_region(baseline, entry["root"], entry["sites"], budget_s=budget_s)
     row = {"intent": entry["intent"], "recipe": entry["recipe"], "sites": [str(s) for s in entry["sites"]],
            "region": timing.model_dump(mode="json"), "region_wall_s": round(time.monotonic() - started, 2)}
     if gate:
         started = time.monotonic()
-        verdict = run_gate(load_workload(baseline), load_workload(entry["root"]), backend="cpu", rounds=rounds, max_rounds=rounds)
+        verdict = run_gate(load_workload(baseline), load_workload(entry["root"]), backend="cpu", rounds=rounds, max_rounds=rounds,
+                           steps_per_round=steps, on_progress=lambda phase, done, total: print(
+                               f"  gate {phase} {done}/{total} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True))
         row["gate"] = {"reason": str(verdict.reason), "ratio": verdict.ratio, "ratio_ci": verdict.ratio_ci,
                        "message": verdict.message, "wall_s": round(time.monotonic() - started, 2)}
     return row
@@ -77,11 +79,11 @@ def agreement(rows: list[dict]) -> dict:
     both = [r for r in rows if "gate" in r and r["region"]["verdict"] != "unisolated" and r["gate"]["reason"] in AGREEING.values()]
     agree = [r for r in both if AGREEING[r["region"]["verdict"]] == r["gate"]["reason"]]
     same_direction = [r for r in both if r["gate"]["ratio"] is not None and (r["region"]["ratio"] < 1) == (r["gate"]["ratio"] < 1)]
-    lost = [r for r in rows if "gate" in r and r["gate"]["reason"] == "accepted"
-            and r["region"]["verdict"] == "slower" and r["region"]["interval"][0] > 1.10]
+    skipped = [r for r in rows if clearly_slower(RegionTiming.model_validate(r["region"]))]
+    lost = [r for r in skipped if "gate" in r and r["gate"]["reason"] == "accepted"]
     return {"candidates": len(rows), "isolated": sum(r["region"]["verdict"] != "unisolated" for r in rows),
             "compared": len(both), "agree": len(agree), "same_direction": len(same_direction),
-            "skips": sum(r["region"]["verdict"] == "slower" and r["region"]["interval"][0] > 1.10 for r in rows),
+            "skips": len(skipped),
             "skips_that_lost_a_win": len(lost)}
 
 
@@ -108,12 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-candidates", type=int, default=3, help="per workload, in the scan's order")
     parser.add_argument("--recipes", nargs="*", default=None, help="only these recipe ids")
     parser.add_argument("--rounds", type=int, default=6, help="the whole-step gate's rounds (first look = cap)")
+    parser.add_argument("--steps", type=int, default=None, help="the gate's measured steps per round (default: the workload's)")
     parser.add_argument("--budget-s", type=float, default=3.0, help="the region lab's timing budget per candidate")
     parser.add_argument("--no-gate", action="store_true", help="region timings only")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "region_agreement.json")
     args = parser.parse_args(argv)
     record = {"benchmark": "region_agreement", "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "loadavg_start": os.getloadavg(),
-              "rounds": args.rounds, "budget_s": args.budget_s, "workloads": []}
+              "rounds": args.rounds, "steps": args.steps, "budget_s": args.budget_s, "workloads": []}
     with tempfile.TemporaryDirectory(prefix="trainbridge-run-region-agreement-") as tmp:
         for path in args.workloads:
             path = path.resolve()
@@ -124,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             built = [c for c in candidates(path, scratch) if args.recipes is None or c["recipe"] in args.recipes]
             rows = []
             for entry in built[: args.max_candidates]:
-                rows.append(judge(baseline, entry, gate=not args.no_gate, rounds=args.rounds, budget_s=args.budget_s))
+                rows.append(judge(baseline, entry, gate=not args.no_gate, rounds=args.rounds, budget_s=args.budget_s,
+                                  steps=args.steps))
                 print(f"{path.name}: {entry['recipe']}: region {rows[-1]['region']['verdict']}"
                       + (f", gate {rows[-1]['gate']['reason']}" if "gate" in rows[-1] else "") + f" (load {os.getloadavg()[0]:.2f})",
                       file=sys.stderr, flush=True)

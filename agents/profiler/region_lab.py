@@ -129,11 +129,21 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
         if not result_path.exists():
             tail = outcome.stderr.strip().splitlines()[-1:] or [f"exit code {outcome.returncode}"]
             return unisolated(f"the region child died without a result ({tail[0][:300]})")
-        payload = json.loads(result_path.read_text(encoding="utf-8"))
+        try:
+            payload = json.loads(result_path.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            return unisolated(f"the region child's result is not readable JSON ({exc})")
     if "unisolated" in payload:
         return unisolated(f"region not isolated: {payload['unisolated']}")
     if "failure" in payload:
         return unisolated(f"the region child failed ({payload['failure']['kind']}): {payload['failure']['message'][:500]}")
+    try:
+        return _timing(payload, threads, started, isolation.isolated)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a malformed result never rejects: the gate decides
+        return unisolated(f"the region child's result is malformed ({type(exc).__name__}: {exc})")
+
+
+def _timing(payload: dict, threads: int, started: float, network_isolated: bool) -> RegionTiming:
     interval = (float(payload["interval"][0]), float(payload["interval"][1]))
     verdict = classify(interval)
     site = SourceSpan.model_validate(payload["site"])
@@ -146,7 +156,8 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
                         reps=payload["reps"], baseline_median_s=payload["baseline_median_s"],
                         candidate_median_s=payload["candidate_median_s"], ratio=payload["ratio"], interval=interval,
                         verdict=verdict, message=message, baseline_times_s=payload["baseline_times_s"],
-                        candidate_times_s=payload["candidate_times_s"], threads=threads, wall_s=time.monotonic() - started, network_isolated=isolation.isolated)
+                        candidate_times_s=payload["candidate_times_s"], threads=threads, wall_s=time.monotonic() - started,
+                        network_isolated=network_isolated)
 
 
 def _side(workload: Workload) -> dict:
