@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/region_agreement.py                                  # llama_pretrain
     .venv/bin/python benchmarks/region_agreement.py --workloads examples/gpt2_pretrain --max-candidates 4
     .venv/bin/python benchmarks/region_agreement.py --no-gate                        # region timings only (seconds each)
+    .venv/bin/python benchmarks/region_agreement.py --planted --max-candidates 4     # planted effects, tests' small workload
 
 For each workload: the static scan's CPU intents (agents/analyst/static/scan.py), every CPU recipe of
 the intent's category applied to a copy of the workload as the coder applies it
@@ -30,6 +31,7 @@ from trainbridge.agents.profiler.gate import run_gate
 from trainbridge.agents.profiler.region_lab import RegionTiming, clearly_slower, time_region
 from trainbridge.knowledge.schema import Target, load_recipe_dir
 from trainbridge.knowledge.store import SEED_DIR
+from trainbridge.records import SourceSpan
 from trainbridge.sandbox.workload import load_workload
 from trainbridge.tools.codemods.engine import CodemodRefused, apply_recipe
 
@@ -37,6 +39,27 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_WORKLOADS = [ROOT / "examples" / "llama_pretrain"]
 AGREEING = {"faster": "accepted", "slower": "slower", "same": "not_significant"}
+PLANTED_FIXTURE = ROOT / "tests" / "fixtures" / "region_lab" / "base"
+NORM_BODY = """        variance = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(variance + 1e-6) * self.scale"""
+NORM_SLOW = """        for _ in range(20):
+            variance = x.pow(2).mean(-1, keepdim=True)
+            out = x * torch.rsqrt(variance + 1e-6) * self.scale
+        return out"""
+MIX_BODY = """    gate = torch.sigmoid(x @ weight)
+    return x * gate"""
+MIX_SLOW = """    for _ in range(20):
+        gate = torch.sigmoid(x @ weight)
+        out = x * gate
+    return out"""
+# (name, baseline's rewrite, candidate's rewrite, the site): planted effects of known sign on the tests' small workload
+PLANTED = [
+    ("norm-20x-slower", None, (NORM_BODY, NORM_SLOW), SourceSpan(file="model.py", line_start=22, line_end=23, function="forward")),
+    ("norm-20x-faster", (NORM_BODY, NORM_SLOW), None, SourceSpan(file="model.py", line_start=22, line_end=23, function="forward")),
+    ("mix-20x-slower", None, (MIX_BODY, MIX_SLOW), SourceSpan(file="model.py", line_start=8, line_end=9, function="mix")),
+    ("mix-equivalent", None, (MIX_BODY, "    return x * torch.sigmoid(x @ weight)"),
+     SourceSpan(file="model.py", line_start=8, line_end=9, function="mix")),
+]
 
 
 def candidates(example: Path, scratch: Path) -> list[dict]:
@@ -57,6 +80,22 @@ def candidates(example: Path, scratch: Path) -> list[dict]:
                 found.append({"intent": intent.id, "recipe": recipe.id, "root": folder, "sites": edit.sites})
                 break
     return found
+
+
+def planted(scratch: Path) -> list[tuple[Path, dict]]:
+    """(baseline, candidate) folder pairs with planted region effects (PLANTED)."""
+    pairs = []
+    for name, base_edit, cand_edit, site in PLANTED:
+        folders = []
+        for side, edit in (("baseline", base_edit), ("candidate", cand_edit)):
+            folder = scratch / f"{name}-{side}"
+            shutil.copytree(PLANTED_FIXTURE, folder)
+            if edit is not None:
+                text = (folder / "model.py").read_text(encoding="utf-8")
+                (folder / "model.py").write_text(text.replace(*edit), encoding="utf-8")
+            folders.append(folder)
+        pairs.append((folders[0], {"intent": "planted", "recipe": name, "root": folders[1], "sites": [site]}))
+    return pairs
 
 
 def judge(baseline: Path, entry: dict, *, gate: bool, rounds: int, budget_s: float, steps: int | None) -> dict:
@@ -112,9 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="the whole-step gate's rounds (first look = cap)")
     parser.add_argument("--steps", type=int, default=None, help="the gate's measured steps per round (default: the workload's)")
     parser.add_argument("--budget-s", type=float, default=3.0, help="the region lab's timing budget per candidate")
+    parser.add_argument("--planted", action="store_true", help="the planted candidates on the tests' small workload "
+                        "(tests/fixtures/region_lab) instead of the recipes' on --workloads")
     parser.add_argument("--no-gate", action="store_true", help="region timings only")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "region_agreement.json")
     args = parser.parse_args(argv)
+    if args.planted:
+        args.workloads = [PLANTED_FIXTURE]
     record = {"benchmark": "region_agreement", "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "loadavg_start": os.getloadavg(),
               "rounds": args.rounds, "steps": args.steps, "budget_s": args.budget_s, "workloads": []}
     with tempfile.TemporaryDirectory(prefix="trainbridge-run-region-agreement-") as tmp:
@@ -124,9 +167,13 @@ def main(argv: list[str] | None = None) -> int:
             scratch.mkdir()
             baseline = scratch / "baseline"
             shutil.copytree(path, baseline)
-            built = [c for c in candidates(path, scratch) if args.recipes is None or c["recipe"] in args.recipes]
+            if args.planted:
+                pairs = planted(scratch)
+            else:
+                pairs = [(baseline, c) for c in candidates(path, scratch) if args.recipes is None or c["recipe"] in args.recipes]
+            built = [entry for _, entry in pairs]
             rows = []
-            for entry in built[: args.max_candidates]:
+            for baseline, entry in pairs[: args.max_candidates]:
                 rows.append(judge(baseline, entry, gate=not args.no_gate, rounds=args.rounds, budget_s=args.budget_s,
                                   steps=args.steps))
                 print(f"{path.name}: {entry['recipe']}: region {rows[-1]['region']['verdict']}"

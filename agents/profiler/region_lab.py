@@ -45,7 +45,7 @@ class RegionTiming(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    site: SourceSpan | None = Field(default=None, description="the site that was timed (the first that could be isolated)")
+    site: SourceSpan | None = Field(default=None, description="the site that was timed (the first whose function could be named)")
     qualname: str | None = Field(default=None, description="the region's callable: a function or Class.method")
     module_path: str | None = Field(default=None, description="for a method: the instance's path in the model (named_modules)")
     shapes: dict[str, str] = Field(default_factory=dict, description="argument name -> shape, dtype, grad of the captured inputs")
