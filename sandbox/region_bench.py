@@ -234,6 +234,27 @@ def time_pair(call_a, call_b, sync, *, budget_s: float, max_reps: int, min_reps:
     return times_a, times_b
 
 
+def outputs_match(prepare_a, prepare_b, reseed, *, rtol: float = 1e-3, atol: float = 1e-5) -> bool | None:
+    """Whether both regions give the same outputs on the captured inputs, each run after `reseed()` (None: not
+    comparable: no tensor output, or the region cannot run without gradients). Only a region known to compute
+    the same is ever skipped: one whose math differs goes to the gate, whose numerics check names the fault."""
+    import torch
+
+    outputs = []
+    for prepare in (prepare_a, prepare_b):
+        reseed()
+        try:
+            with torch.no_grad():
+                outputs.append([t for t in _flatten(prepare()()) if isinstance(t, torch.Tensor)])
+        except RuntimeError:
+            return None
+    out_a, out_b = outputs
+    if not out_a:
+        return None
+    return len(out_a) == len(out_b) and all(a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol)
+                                            for a, b in zip(out_a, out_b))
+
+
 def paired_ratios(times_a: list[float], times_b: list[float]) -> list[float]:
     """B/A per repetition: the two sides of a repetition ran back to back, so a busy phase of the machine
     slows both and cancels out of their ratio."""
@@ -327,8 +348,10 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
     base_fn, base_owner = _region_side(base_root, site, qualname)
     seed_everything(seed)
     batch = base_parts["batch"](0)
+    saved = {name: value.detach().clone() for name, value in base_parts["model"].state_dict().items()}
     captured = capture_call(base_fn.__code__,
                             lambda: base_parts["train_step"](base_parts["model"], base_parts["optimizer"], batch))
+    base_parts["model"].load_state_dict(saved)  # the step's update undone: both models start equal for the output check
     args = captured["__frame_args__"]
     path = None
     if base_owner is not None:
@@ -360,6 +383,7 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
     code = base_fn.__code__
     call_a = build_call(base_fn, code, args, base_self)
     call_b = build_call(cand_fn, cand_fn.__code__, twin_args(args, base_parts, cand_parts), cand_self)
+    match = outputs_match(call_a, call_b, lambda: seed_everything(seed))
     times_a, times_b = time_pair(call_a, call_b, backend.sync, budget_s=float(request["budget_s"]),
                                  max_reps=int(request["max_reps"]), min_reps=int(request["min_reps"]))
     median_a, median_b = _median(times_a), _median(times_b)
@@ -368,7 +392,7 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
     shapes = shapes_of(args)
     return {"site": site, "qualname": qualname, "module_path": path, "shapes": shapes, "reps": len(times_a),
             "baseline_median_s": median_a, "candidate_median_s": median_b, "ratio": _median(ratios),
-            "interval": [low, high], "skipped_sites": skipped, "baseline_times_s": times_a, "candidate_times_s": times_b}
+            "interval": [low, high], "skipped_sites": skipped, "outputs_match": match, "baseline_times_s": times_a, "candidate_times_s": times_b}
 
 
 def _median(values: list[float]) -> float:

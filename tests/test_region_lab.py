@@ -68,12 +68,14 @@ def test_qualname_from_the_site_function_or_line(tmp_path):
 
 
 def test_rules_are_conservative():
-    def timing(interval, verdict=None):
-        return RegionTiming(verdict=verdict or classify(interval), message="", ratio=sum(interval) / 2, interval=interval)
+    def timing(interval, verdict=None, match=True):
+        return RegionTiming(verdict=verdict or classify(interval), message="", ratio=sum(interval) / 2, interval=interval,
+                            outputs_match=match)
 
     assert classify((1.02, 1.3)) == "slower" and classify((0.7, 0.95)) == "faster" and classify((0.9, 1.2)) == "same"
     assert clearly_slower(timing((1.2, 3.0)))
     assert not clearly_slower(timing((1.05, 3.0)))  # slower, but not surely by 10%
+    assert not clearly_slower(timing((1.2, 3.0), match=False)) and not clearly_slower(timing((1.2, 3.0), match=None))
     assert not clearly_slower(timing((0.5, 0.8))) and not clearly_slower(RegionTiming(verdict="unisolated", message="x"))
     assert region_verdict(timing((1.05, 3.0)), backend="cpu") is None
     low, high = median_interval([float(v) for v in range(1, 101)])
@@ -94,7 +96,7 @@ def test_method_region_twenty_times_slower_is_skipped_without_the_gate(tmp_path,
     region = RegionTiming.model_validate(verdict.region)
     assert region.qualname == "Norm.forward" and region.module_path == "blocks.0.norm"
     assert region.shapes == {"x": "(32, 16, 64) float32"}  # the real input of the step, not a guess
-    assert region.ratio > 3 and region.interval[0] > 1.1 and region.reps >= 20
+    assert region.ratio > 3 and region.interval[0] > 1.1 and region.reps >= 20 and region.outputs_match is True
     assert len(region.baseline_times_s) == len(region.candidate_times_s) == region.reps
     assert "Norm.forward" in verdict.message and "ratio" in verdict.message
 
@@ -115,7 +117,7 @@ def test_equivalent_function_region_is_not_skipped_and_the_gate_decides(tmp_path
     region = RegionTiming.model_validate(verdict.region)
     assert region.qualname == "mix" and region.module_path is None and region.verdict != "unisolated"
     assert region.shapes == {"x": "(32, 16, 64) float32 grad", "weight": "(64, 64) float32 grad"}
-    assert not clearly_slower(region) and 0.5 < region.ratio < 1.5
+    assert not clearly_slower(region) and 0.5 < region.ratio < 1.5 and region.outputs_match is True
     assert set(verdict.phase_seconds) == {"region", "numerics"}
 
 
@@ -123,6 +125,16 @@ def test_function_region_slower_is_called_slower(tmp_path):
     baseline, candidate = _pair(tmp_path, MIX_BODY, _repeated(MIX_BODY, "    "))
     timing = time_region(baseline, candidate, [MIX], **FAST)
     assert timing.verdict == "slower" and clearly_slower(timing), timing.message
+
+
+def test_a_slower_region_with_other_math_goes_to_the_gate(tmp_path):
+    """Twenty times the work and another epsilon: slower, but the outputs differ, so no skip (the gate's
+    numerics check is what names such a fault)."""
+    other = _repeated(NORM_BODY, "        ").replace("1e-6", "1e-1")
+    baseline, candidate = _pair(tmp_path, NORM_BODY, other)
+    timing = time_region(baseline, candidate, [NORM], **FAST)
+    assert timing.verdict == "slower" and timing.outputs_match is False and "outputs differ" in timing.message
+    assert not clearly_slower(timing) and region_verdict(timing, backend="cpu") is None
 
 
 def test_region_not_called_in_the_step_is_unisolated_and_the_gate_runs(tmp_path, monkeypatch):

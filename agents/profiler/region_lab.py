@@ -37,6 +37,7 @@ SLOWER_BOUND = 1.10  # a skip must be safe: the region's whole interval at least
 DEFAULT_BUDGET_S = 3.0
 DEFAULT_TIMEOUT_S = 120.0
 LAB_THREADS = 1  # see time_region: a few-millisecond region at 2 threads on a shared 2-core host times OpenMP spin-waits
+_MATCH = {True: "agree", False: "differ", None: "not compared"}
 RegionVerdict = Literal["faster", "slower", "same", "unisolated"]
 
 
@@ -55,6 +56,9 @@ class RegionTiming(BaseModel):
     ratio: float | None = Field(default=None, description="median over repetitions of candidate / baseline time; < 1 is faster")
     interval: tuple[float, float] | None = Field(default=None, description="95% order-statistic interval on that median")
     threads: int | None = None
+    outputs_match: bool | None = Field(default=None, description="both regions' outputs agree on the captured inputs (no grad, "
+                                       "rtol 1e-3); only a region known to agree is ever skipped (the gate's numerics "
+                                       "check reports the others)")
     verdict: RegionVerdict
     message: str
     baseline_times_s: list[float] = Field(default_factory=list, description="every repetition, in order")
@@ -72,8 +76,10 @@ def lab_enabled(environ: dict[str, str] | None = None) -> bool:
 
 
 def clearly_slower(timing: RegionTiming) -> bool:
-    """True only when the whole interval on the region's ratio lies above SLOWER_BOUND."""
-    return timing.verdict == "slower" and timing.interval is not None and timing.interval[0] > SLOWER_BOUND
+    """True only when the whole interval on the region's ratio lies above SLOWER_BOUND and both regions were seen
+    to give the same outputs (a rewrite with other math, or one not comparable, goes to the gate)."""
+    return (timing.verdict == "slower" and timing.interval is not None and timing.interval[0] > SLOWER_BOUND
+            and timing.outputs_match is True)
 
 
 def classify(interval: tuple[float, float]) -> RegionVerdict:
@@ -151,12 +157,14 @@ def _timing(payload: dict, threads: int, started: float, network_isolated: bool)
     message = (f"region {where} ({site}) alone, forward + backward, {payload['reps']} interleaved repetitions per side, "
                f"{threads} thread(s): "
                f"baseline {payload['baseline_median_s'] * 1e3:.3f} ms, candidate {payload['candidate_median_s'] * 1e3:.3f} ms "
-               f"(medians), paired ratio {payload['ratio']:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]: {verdict}")
+               f"(medians), paired ratio {payload['ratio']:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]: {verdict}; outputs "
+               f"{_MATCH[payload.get('outputs_match')]}")
     return RegionTiming(site=site, qualname=payload["qualname"], module_path=payload.get("module_path"), shapes=payload["shapes"],
                         reps=payload["reps"], baseline_median_s=payload["baseline_median_s"],
                         candidate_median_s=payload["candidate_median_s"], ratio=payload["ratio"], interval=interval,
                         verdict=verdict, message=message, baseline_times_s=payload["baseline_times_s"],
-                        candidate_times_s=payload["candidate_times_s"], threads=threads, wall_s=time.monotonic() - started,
+                        candidate_times_s=payload["candidate_times_s"], threads=threads, outputs_match=payload.get("outputs_match"),
+                        wall_s=time.monotonic() - started,
                         network_isolated=network_isolated)
 
 
