@@ -22,7 +22,8 @@ from trainbridge.agents.profiler.region_lab import (RegionTiming, classify, clea
 from trainbridge.agents.profiler.verdict import Verdict, VerdictReason
 from trainbridge.records import SourceSpan
 from trainbridge.sandbox.isolation import network_isolation
-from trainbridge.sandbox.region_bench import Unisolated, median_interval, qualname_for
+from trainbridge.sandbox.region_bench import median_interval
+from trainbridge.sandbox.region_capture import Unisolated, qualname_for
 
 FIXTURE = Path(__file__).parent / "fixtures" / "region_lab" / "base"
 NORM = SourceSpan(file="model.py", line_start=22, line_end=23, function="forward")
