@@ -17,7 +17,7 @@ import pytest
 
 from trainbridge.agents.profiler import judge as judge_module
 from trainbridge.agents.profiler.judge import judge_candidate
-from trainbridge.agents.profiler.region_lab import (RegionTiming, classify, clearly_slower, lab_enabled, region_verdict,
+from trainbridge.agents.profiler.region_lab import (RegionTiming, classify, clearly_slower, lab_enabled, rank, region_verdict,
                                                     time_region)
 from trainbridge.agents.profiler.verdict import Verdict, VerdictReason
 from trainbridge.records import SourceSpan
@@ -82,6 +82,8 @@ def test_rules_are_conservative():
     low, high = median_interval([float(v) for v in range(1, 101)])
     assert 40 <= low < 50.5 < high <= 61  # order statistics around the median of 1..100
     assert lab_enabled({}) and not lab_enabled({"TRAINBRIDGE_REGION_LAB": "off"})
+    timings = {"a": timing((1.2, 1.4)), "b": RegionTiming(verdict="unisolated", message="x"), "c": timing((0.5, 0.7))}
+    assert rank(timings) == ["c", "a", "b"]
 
 
 def test_method_region_twenty_times_slower_is_skipped_without_the_gate(tmp_path, monkeypatch):

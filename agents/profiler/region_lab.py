@@ -187,3 +187,11 @@ def region_verdict(timing: RegionTiming, *, backend: str) -> Verdict | None:
                "makes its own region clearly slower (set TRAINBRIDGE_REGION_LAB=off to gate it anyway)")
     return Verdict(accepted=False, reason=VerdictReason.region_slower, message=message, backend=backend, phase="region",
                    region=region, ratio=None, wall_s=timing.wall_s, phase_seconds={"region": round(timing.wall_s, 3)})
+
+
+def rank(timings: dict[str, RegionTiming]) -> list[str]:
+    """Candidate names for one region, best first: isolated ones by their ratio (the lower the better),
+    then the unisolated in their given order. A ranking only orders the gates; the gate still decides."""
+    isolated = sorted((name for name, t in timings.items() if t.ratio is not None and t.verdict != "unisolated"),
+                      key=lambda name: timings[name].ratio)
+    return isolated + [name for name in timings if name not in isolated]
