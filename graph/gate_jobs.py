@@ -53,11 +53,13 @@ def judge_job(job: GateJob, *, baseline_root: Path | None = None, candidate_root
     (a Ray worker passes the worktrees it checked out from the bundle instead)."""
     from trainbridge.agents.profiler.judge import judge_candidate
     from trainbridge.knowledge.schema import Numerics
+    from trainbridge.records import SourceSpan
 
     numerics = Numerics.model_validate(job.numerics) if job.numerics is not None else None
     verdict = judge_candidate(baseline_root or Path(job.baseline_root), candidate_root or Path(job.candidate_root),
                               target=job.target, recipe_numerics=numerics, rounds=job.rounds, max_rounds=job.max_rounds,
-                              min_gain=job.min_gain, launch=job.launch)
+                              min_gain=job.min_gain, launch=job.launch,
+                              sites=[SourceSpan.model_validate(s) for s in job.candidate.get("sites", [])])
     return verdict.model_dump(mode="json")
 
 

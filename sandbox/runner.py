@@ -279,6 +279,15 @@ class _ChildOutcome:
         self.returncode, self.timed_out, self.stdout, self.stderr = returncode, timed_out, stdout, stderr
 
 
+def run_confined(argv: list[str], *, cwd: Path, env: dict[str, str], memory_limit_mb: int, timeout_s: float,
+                 tmp_dir: Path) -> _ChildOutcome:
+    """Run one request-file child of the sandbox's own modules (e.g. sandbox/region_bench.py) the way analysis
+    modes run: own process group killed as a whole at `timeout_s`, address-space cap, the given (scrubbed)
+    environment; stdout/stderr in `tmp_dir`. The outcome has returncode, timed_out, stdout, stderr."""
+    return _run_child(argv, cwd=cwd, env=env, memory_limit_mb=memory_limit_mb, timeout_s=timeout_s, tmp_dir=tmp_dir,
+                      on_progress=None)
+
+
 def _run_child(argv, *, cwd, env, memory_limit_mb, timeout_s, tmp_dir: Path, on_progress) -> _ChildOutcome:
     stdout_path, stderr_path = tmp_dir / "stdout.txt", tmp_dir / "stderr.txt"
     progress_path = tmp_dir / "progress.jsonl"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from trainbridge.agents.profiler.gate import run_gate
 from trainbridge.agents.profiler.numerics import NumericsTolerance
+from trainbridge.agents.profiler.region_lab import lab_enabled, region_verdict, time_region
 from trainbridge.agents.profiler.verdict import Verdict
 from trainbridge.sandbox.backends import npu_emulated
 from trainbridge.sandbox.workload import load_workload, workload_for_launch
@@ -35,10 +36,13 @@ def speed_measurable(target: str) -> bool:
 
 
 def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, recipe_numerics=None, rounds: int,
-                    max_rounds: int | None, min_gain: float, launch: str | None = None, determinism: dict | None = None) -> Verdict:
+                    max_rounds: int | None, min_gain: float, launch: str | None = None, determinism: dict | None = None,
+                    sites: list | None = None) -> Verdict:
     """The gate's verdict on the candidate worktree against the baseline worktree (`launch`: the
     run's script-mode launch line, when it gave one on the command line; `determinism`: the run's
-    repeatability report of the unmodified program, as the prepare node stored it)."""
+    repeatability report of the unmodified program, as the prepare node stored it; `sites`: the
+    candidate's rewritten regions: when speed is measurable, the region lab times them first and a
+    clearly slower region skips the gate, agents/profiler/region_lab.py)."""
     from trainbridge.sandbox.script_determinism import DeterminismReport
 
     tolerance = tolerance_for(recipe_numerics) if recipe_numerics is not None else None
@@ -47,6 +51,16 @@ def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, r
     def workload(root: Path):
         return workload_for_launch(root, launch) if launch else load_workload(root)
 
-    return run_gate(workload(baseline_root), workload(candidate_root), backend=target, rounds=rounds,
-                    max_rounds=max_rounds, min_gain=min_gain, tolerance=tolerance, emulated_speed=not speed_measurable(target),
-                    determinism=report)
+    baseline, candidate = workload(baseline_root), workload(candidate_root)
+    region = None
+    if sites and speed_measurable(target) and lab_enabled() and baseline.config.mode == "entry":
+        region = time_region(baseline, candidate, list(sites), backend=target)
+        early = region_verdict(region, backend=target)
+        if early is not None:
+            return early
+    verdict = run_gate(baseline, candidate, backend=target, rounds=rounds, max_rounds=max_rounds, min_gain=min_gain,
+                       tolerance=tolerance, emulated_speed=not speed_measurable(target), determinism=report)
+    if region is None:
+        return verdict
+    seconds = {"region": round(region.wall_s, 3), **verdict.phase_seconds}
+    return verdict.model_copy(update={"region": region.model_dump(mode="json"), "phase_seconds": seconds})

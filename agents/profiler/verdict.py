@@ -29,6 +29,7 @@ class VerdictReason(StrEnum):
     tampered_timing = "tampered_timing"  # gate-gaming: the child's own clock disagrees with the gate's (a rebound clock or sync)
     tampered_resources = "tampered_resources"  # gate-gaming: more cores, a raised priority, processes that outlive the run
     tampered_harness = "tampered_harness"  # gate-gaming: wrote into the control channel or into its worktree while judged
+    region_slower = "region_slower"  # the rewritten region alone is clearly slower (agents/profiler/region_lab.py): gate skipped
 
 
 FAILURE_REASONS: dict[FailureKind, VerdictReason] = {
@@ -52,7 +53,7 @@ class Verdict(BaseModel):
     reason: VerdictReason
     message: str = Field(description="one paragraph with the figures behind the reason")
     backend: str
-    phase: Literal["config", "numerics", "timing", "done"] = Field(description="how far the gate got")
+    phase: Literal["config", "region", "numerics", "timing", "done"] = Field(description="how far the gate got")
     baseline_rounds: list[list[float]] = Field(default_factory=list, description="measured step times (s) per round, baseline")
     candidate_rounds: list[list[float]] = Field(default_factory=list, description="measured step times (s) per round, candidate")
     round_order: list[str] = Field(default_factory=list, description="per round: 'AB' (baseline first) or 'BA'")
@@ -77,6 +78,8 @@ class Verdict(BaseModel):
     candidate_versions: dict[str, str] = Field(default_factory=dict)
     wall_s: float = 0.0
     phase_seconds: dict[str, float] = Field(default_factory=dict, description="wall time of the gate's phases: numerics, timing")
+    region: dict | None = Field(default=None, description="the region lab's timing of the rewritten region alone "
+                                "(agents/profiler/region_lab.py RegionTiming), when it ran; never what accepts")
 
     @model_validator(mode="after")
     def _accepted_matches_reason(self) -> "Verdict":
