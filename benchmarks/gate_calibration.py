@@ -43,7 +43,7 @@ from pathlib import Path
 
 from trainbridge.agents.profiler.gate import PAIRINGS, RoundInputs, default_pairing, run_pair, run_side
 from trainbridge.agents.profiler.quiet import busy_rounds
-from trainbridge.agents.profiler.sequential import FUTILITY_POWER, looks, nominal_level, replay
+from trainbridge.agents.profiler.sequential import FUTILITY_POWER, look_levels, looks, replay
 from trainbridge.agents.profiler.stats import SpeedOutcome, decide_speed
 from trainbridge.sandbox import fork_server
 from trainbridge.sandbox.fork_server import SPAWN_KINDS, default_spawn
@@ -372,15 +372,18 @@ def measure(args) -> dict:
 def report(record: dict, args, slowdowns: list[float]) -> None:
     rounds = record["rounds"]
     schedule = looks(args.rounds, args.max_rounds)
-    level = nominal_level(schedule, (1.0 - args.confidence) / 2.0)
-    record["decision"] = {"rule": "sequential (agents/profiler/sequential.py)", "looks": list(schedule), "nominal_level": level,
+    levels = look_levels(schedule, (1.0 - args.confidence) / 2.0)
+    level = levels[-1]
+    record["decision"] = {"rule": "sequential (agents/profiler/sequential.py)", "looks": list(schedule), "look_levels": list(levels),
+                          "nominal_level": level,
                           "futility_power": FUTILITY_POWER, "max_rounds": args.max_rounds}
     record["summary_independent"] = summarise(decide_consecutive(rounds, args, slowdowns))
     record["summary_sliding"] = summarise(decide_blocks(rounds, args.max_rounds, args, slowdowns, sliding=True))
     record["summary_resampled"] = summarise(decide_resampled(rounds, args, slowdowns, args.resampled))
     record["summary_pooled"] = summarise(decide_blocks(rounds, len(rounds), args, slowdowns, sliding=False, sequential=False))
     steps = record["config"]["steps_per_round"]
-    gate = f"looks at {', '.join(map(str, schedule))} rounds, one-sided level {level:.4g} at each, futility below {FUTILITY_POWER:g}"
+    gate = (f"looks at {', '.join(map(str, schedule))} rounds, one-sided levels {', '.join(f'{x:.4g}' for x in dict.fromkeys(levels))} "
+            f"(first look, then each later one), futility below {FUTILITY_POWER:g}")
     print(f"rule: {gate}; spawn: {record['config'].get('spawn', 'exec (not recorded)')}\n")
     print(table(record["summary_independent"], f"independent gate runs, each starting where the last stopped ({steps} steps a round)"))
     print()

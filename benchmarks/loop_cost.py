@@ -160,8 +160,11 @@ def intent_outcomes(state: dict[str, Any]) -> list[dict[str, Any]]:
             status = "no recipe for this target"
         else:
             status = "not reached (budget or candidate limit)"
+        evidence = ((state.get("intent_evidence") or {}).get(intent_id) or {}).get("evidence") or info.get("evidence") or {}
         out.append({
             "intent_id": intent_id, "category": category, "status": status,
+            "compile_kernels": evidence.get("kernels") or [], "reference_kernels": evidence.get("reference_kernels"),
+            "eager_ops": evidence.get("target_ops"),
             "where": ", ".join(f"{s['file']}:{s['line_start']}" for s in info.get("spans") or []) or None,
             "tried": [{"recipe_id": v.get("recipe_id"), "reason": v.get("reason"), "ratio": v.get("ratio"),
                        "ratio_ci": v.get("ratio_ci"), "message": (v.get("message") or "")[:300]} for v in tried],
@@ -175,12 +178,19 @@ def accepted_commits(state: dict[str, Any]) -> list[dict[str, Any]]:
 
 def per_candidate_seconds(state: dict[str, Any]) -> dict[str, Any]:
     """Wall time per judged candidate from the run's own phase_times: the profiler node's (region lab and
-    gate) and the coder node's (writing the patch), each candidate's list and medians."""
+    gate; `gate_s` without the lab) and the coder node's (writing the patch), each candidate's list and medians."""
     import statistics
 
     entries = state.get("phase_times") or []
-    judge = [float(e["wall_s"]) for e in entries if e.get("node") == "profiler"]
+    profiler = [e for e in entries if e.get("node") == "profiler"]
+    judge = [float(e["wall_s"]) for e in profiler]
+    region = [float((e.get("parts") or {}).get("region", 0.0)) for e in profiler]
+    gate = [j - r for j, r in zip(judge, region)]
     coder = [float(e["wall_s"]) for e in entries if e.get("node") == "coder"]
-    return {"judge_s": judge, "coder_s": coder, "judged": len(judge),
-            "median_judge_s": statistics.median(judge) if judge else None,
-            "median_coder_s": statistics.median(coder) if coder else None}
+
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    return {"judge_s": judge, "region_s": region, "gate_s": gate, "coder_s": coder, "judged": len(judge),
+            "median_judge_s": median(judge), "median_gate_s": median(gate), "median_region_s": median(region),
+            "median_coder_s": median(coder)}

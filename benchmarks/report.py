@@ -117,6 +117,8 @@ def _speedup_notes(section: dict[str, Any]) -> list[str]:
         goals = goal_status(w)
         per = w.get("per_candidate") or {}
         each = ", ".join(f"{x:.0f}" for x in per.get("judge_s") or []) or NA
+        if per.get("median_gate_s") is not None:
+            each += f" (median gate alone {per['median_gate_s']:.1f} s, region lab {per.get('median_region_s') or 0:.1f} s)"
         lines.append(f"| {w['workload']} | {goals['tb_le_compile']} | {goals['tb_compile_faster']} | {per.get('judged', NA)} | {each} |")
     judged = [goal_status(w) for w in section.get("workloads", []) if w.get("summary")]
     if judged:
@@ -148,11 +150,15 @@ def intents_section(section: dict[str, Any]) -> list[str]:
         if not intents:
             lines.append("(no intents recorded)\n")
             continue
-        lines += ["| intent | where | status | recipes tried (verdict, ratio) |", "|---|---|---|---|"]
+        lines += ["| intent | where | status | recipes tried (verdict, ratio) | compile's kernels there (eager ops -> kernels) |",
+                  "|---|---|---|---|---|"]
         for i in intents:
             tried = "; ".join(f"{t['recipe_id'] or 'LLM'}: {t['reason']}" + (f" {t['ratio']:.3f}" if t.get("ratio") else "")
                               for t in i["tried"]) or "—"
-            lines.append(f"| {i['category']} | {i.get('where') or NA} | {i['status']} | {tried} |")
+            kernels = ", ".join(f"`{k}`" for k in (i.get("compile_kernels") or [])[:4]) or "—"
+            if i.get("eager_ops") is not None or i.get("reference_kernels") is not None:
+                kernels += f" ({i.get('eager_ops', '?')} -> {i.get('reference_kernels', '?')})"
+            lines.append(f"| {i['category']} | {i.get('where') or NA} | {i['status']} | {tried} | {kernels} |")
         lines.append("")
     return lines
 

@@ -9,8 +9,10 @@ a round) under each OpenMP wait policy (the library default, and OMP_WAIT_POLICY
 threads sleep instead of spinning), on a quiet machine and beside one competing busy process (a
 spinning interpreter started by this script, stopped after each round), interleaved: every
 repetition runs every (policy, load) cell once, in an order rotated from one repetition to the next.
-Per cell: the round's wall time, the median step time of each side and the A/A ratio of the two
-sides' medians (how far two identical arms read apart: the noise the gate has to see through).
+Each cell runs two pairs: the workload beside itself (A/A: how far two identical arms read apart,
+the noise the gate has to see through) and beside a copy planted 5% slower (does the gate read the
+5% it is shown?). Per cell: the round's wall time, a side's median step time, the mean and spread
+of the log ratio of the two sides' medians.
 Prints a markdown table; writes JSON with every sample.
 """
 
@@ -27,26 +29,31 @@ import sys
 import time
 from pathlib import Path
 
-from trainbridge.agents.profiler.gate import RoundInputs, run_pair
-from trainbridge.sandbox import fork_server
-from trainbridge.sandbox.workload import load_workload
+if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling benchmark modules (benchmarks/ is not a package)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from trainbridge.agents.profiler.gate import RoundInputs, run_pair  # noqa: E402
+from trainbridge.sandbox import fork_server  # noqa: E402
+from trainbridge.sandbox.workload import load_workload  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 POLICIES = {"default": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
 LOADS = ("quiet", "one busy process")
+PLANTED = 0.05  # the second side of the non-A/A pair is this much slower (benchmarks/gate_calibration.py's planted variant)
+PAIRS = ("A/A", f"+{100 * PLANTED:g}% planted")
 
 
 def spinner() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def one_round(workload, inputs: RoundInputs, env: dict[str, str], busy: bool) -> dict:
+def one_round(workload, other, inputs: RoundInputs, env: dict[str, str], busy: bool) -> dict:
     competitor = spinner() if busy else None
     try:
         if competitor is not None:
             time.sleep(0.5)  # running before the children start
         started = time.monotonic()
-        a, b = run_pair((workload, workload), inputs, backend="cpu", extra_env=env or None, work_dir=None, orphans_to=1)
+        a, b = run_pair((workload, other), inputs, backend="cpu", extra_env=env or None, work_dir=None, orphans_to=1)
         wall = time.monotonic() - started
     finally:
         if competitor is not None:
@@ -67,31 +74,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "wait_policy.json")
     args = parser.parse_args(argv)
+    import tempfile
+
+    import gate_calibration
+
     workload = load_workload(args.workload)
-    cells = [(p, load) for p in POLICIES for load in LOADS]
-    samples: dict[str, list[dict]] = {f"{p} / {load}": [] for p, load in cells}
+    cells = [(p, load, pair) for p in POLICIES for load in LOADS for pair in PAIRS]
+    samples: dict[str, list[dict]] = {f"{p} / {load} / {pair}": [] for p, load, pair in cells}
     rng = random.Random()
     started = time.monotonic()
-    with fork_server.serving(fork_server.default_spawn("cpu"), keep_warm=True):
+    with tempfile.TemporaryDirectory(prefix="tb-wait-policy-") as tmp, \
+            fork_server.serving(fork_server.default_spawn("cpu"), keep_warm=True):
+        slow = gate_calibration.planted_variant(workload.root, Path(tmp) / "slow", PLANTED)
+        others = {"A/A": workload, f"+{100 * PLANTED:g}% planted": slow}
         for rep in range(args.reps):
             order = cells[rep % len(cells):] + cells[:rep % len(cells)]
-            for policy, load in order:
+            for policy, load, pair in order:
                 inputs = RoundInputs.draw(rng, numerics_steps=3, warmup=workload.config.warmup_steps, steps=workload.config.steps,
                                           index_range=256)
-                result = one_round(workload, inputs, POLICIES[policy], load != "quiet")
-                samples[f"{policy} / {load}"].append(result)
-                print(f"rep {rep + 1}/{args.reps} {policy:8s} {load:16s}: round {result['wall_s']:.1f} s, steps "
-                      f"{1000 * result['median_step_s'][0]:.0f}/{1000 * result['median_step_s'][1]:.0f} ms, A/A {result['aa_ratio']:.3f}",
+                result = one_round(workload, others[pair], inputs, POLICIES[policy], load != "quiet")
+                samples[f"{policy} / {load} / {pair}"].append(result)
+                print(f"rep {rep + 1}/{args.reps} {policy:8s} {load:16s} {pair:12s}: round {result['wall_s']:.1f} s, steps "
+                      f"{1000 * result['median_step_s'][0]:.0f}/{1000 * result['median_step_s'][1]:.0f} ms, ratio {result['aa_ratio']:.3f}",
                       file=sys.stderr, flush=True)
     rows = []
     for name, runs in samples.items():
+        logs = [math.log(r["aa_ratio"]) for r in runs]
         rows.append({"cell": name, "round_wall_s": statistics.median(r["wall_s"] for r in runs),
-                     "median_step_ms": 1000 * statistics.median(m for r in runs for m in r["median_step_s"]),
-                     "aa_log_spread": statistics.median(abs(math.log(r["aa_ratio"])) for r in runs)})
-    print("| OpenMP wait policy / load | round wall s (median) | step ms (median) | A/A |log ratio| (median) |")
-    print("|---|---:|---:|---:|")
+                     "median_step_ms": 1000 * statistics.median(r["median_step_s"][0] for r in runs),
+                     "mean_log_ratio": statistics.fmean(logs), "sd_log_ratio": statistics.stdev(logs) if len(logs) > 1 else None})
+    print("| OpenMP wait policy / load / pair | round wall s (median) | first side's step ms (median) | mean log ratio (second / first) "
+          "| sd of log ratio |")
+    print("|---|---:|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['cell']} | {row['round_wall_s']:.1f} | {row['median_step_ms']:.0f} | {row['aa_log_spread']:.3f} |")
+        sd = f"{row['sd_log_ratio']:.3f}" if row["sd_log_ratio"] is not None else "n/a"
+        print(f"| {row['cell']} | {row['round_wall_s']:.1f} | {row['median_step_ms']:.0f} | {row['mean_log_ratio']:+.3f} | {sd} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"workload": str(args.workload), "reps": args.reps, "rows": rows, "samples": samples,
                                     "wall_s": time.monotonic() - started}, indent=1), encoding="utf-8")

@@ -106,6 +106,8 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     update: dict[str, Any] = {
         "node": "analyst",
         "intents": [i.model_dump(mode="json") for i in intents],
+        "intent_evidence": {i.id: {"category": str(i.category), "spans": [str(s) for s in i.spans],
+                                   "evidence": i.evidence.model_dump(mode="json")} for i in found.kept},
         "analyses": (state.get("analyses") or 0) + 1,
         "eager_ops_now": analysis.eager_ops_per_step,
         PARTS_KEY: {_ANALYSIS_PARTS.get(phase, phase): seconds for phase, seconds in analysis.phase_seconds.items()},

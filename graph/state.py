@@ -24,6 +24,11 @@ def gathered(held: list[dict[str, Any]] | None, new: list[dict[str, Any]] | None
     return [] if new is None else [*(held or []), *new]
 
 
+def merged(held: dict[str, Any] | None, new: dict[str, Any] | None) -> dict[str, Any]:
+    """Reducer of `intent_evidence`: a later analysis adds its intents and updates those it found again."""
+    return {**(held or {}), **(new or {})}
+
+
 class RunConfig(BaseModel):
     """Settings of one run. Unknown keys are rejected so a typo fails at start, not at 3 a.m."""
 
@@ -113,6 +118,7 @@ class RunState(TypedDict, total=False):
     eager_ops_before: int | None
     eager_ops_now: int | None
     intents: list[dict[str, Any]]  # ranked Intent dumps from the latest analysis
+    intent_evidence: Annotated[dict[str, dict[str, Any]], merged]  # every intent any analysis found: its evidence, by id
     done_intents: Annotated[list[str], operator.add]
     current_intent: dict[str, Any] | None
     recipe_queue: list[str]  # ranked recipe ids left to try for the current intent

@@ -21,3 +21,15 @@ def test_no_more_rounds_are_measured_again_than_half_the_plan_and_the_busiest_go
     assert "busy in 2 round(s), measured again, the most this gate re-measures" in text
     assert "round 1 (0.50)" in text and "round 3 (0.70)" in text and "2.00 of a quiet round" in text
     assert describe(cores, [], planned=4) == ""
+
+
+def test_contention_is_seen_in_a_busy_round_or_a_round_far_slower_than_the_quickest(monkeypatch):
+    from trainbridge.agents.profiler import quiet
+
+    assert not quiet.contended_round([2.0, 1.98], [0.125, 0.13], 10)
+    assert quiet.contended_round([2.0, 1.98, 0.9], [0.125, 0.13, 0.14], 10)  # the baseline lost its cores
+    assert quiet.contended_round([2.0, 1.98, 1.99], [0.125, 0.13, 5.8], 10)  # spin-waits keep the cores busy: the time says it
+    monkeypatch.setattr(quiet.os, "getloadavg", lambda: (3.1, 2.0, 1.0))
+    assert quiet.contended_at_start(cpus=2)
+    monkeypatch.setattr(quiet.os, "getloadavg", lambda: (2.2, 2.0, 1.0))  # the gate's own two children of a moment ago
+    assert not quiet.contended_at_start(cpus=2)

@@ -43,6 +43,7 @@ import hashlib
 import json
 import os
 import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -279,6 +280,10 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
     workloads = {"baseline": baseline, "candidate": candidate}
 
     seq = SequentialGate(looks(rounds, max_rounds), min_gain=min_gain, confidence=confidence)
+    base_env = dict(extra_env or {})
+    if quiet.contended_at_start() and "OMP_WAIT_POLICY" not in base_env:
+        state["wait_policy"] = "passive from the start: the load average was above the cores"
+    env_now = (lambda: {**base_env, **quiet.PASSIVE_ENV} if "wait_policy" in state else base_env or None)
 
     progress("numerics", 0, 2)
     planned, index = seq.schedule[0], 0
@@ -288,13 +293,13 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
         where = "the numerics check" if index == 0 else f"timing round {index}"
         phase = "numerics" if index == 0 else "timing"
         if pairing == "paired":
-            pair = run_pair((workloads[order[0]], workloads[order[1]]), inputs, backend=backend, extra_env=extra_env,
+            pair = run_pair((workloads[order[0]], workloads[order[1]]), inputs, backend=backend, extra_env=env_now(),
                             work_dir=work_dir, orphans_to=order.index("candidate"))
             sides = dict(zip(order, pair))
         else:
             sides = {}
             for side in order:
-                sides[side] = run_side(workloads[side], inputs, backend=backend, extra_env=extra_env, work_dir=work_dir, label=side)
+                sides[side] = run_side(workloads[side], inputs, backend=backend, extra_env=env_now(), work_dir=work_dir, label=side)
                 if sides[side].run.failure is not None:
                     break
         if index == 0:
@@ -308,10 +313,10 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
         state.update(baseline_versions=base.run.versions, candidate_versions=cand.run.versions)
         found = judge_conduct(base, cand, baseline.config.threads, where)
         if index == 0 and not found and not nondeterministic:  # drift of a nondeterministic program is its data order
-            key = drift_key(baseline, backend, extra_env, inputs)
+            key = drift_key(baseline, backend, env_now(), inputs)
             state["drift"] = DRIFT_CACHE.get(key, tolerance)
             if state["drift"] is None:
-                state["drift"] = measure_drift(baseline, base, inputs, tolerance, backend=backend, extra_env=extra_env,
+                state["drift"] = measure_drift(baseline, base, inputs, tolerance, backend=backend, extra_env=env_now(),
                                                work_dir=work_dir)
                 DRIFT_CACHE.put(key, state["drift"])
             tolerance = state["drift"].tolerance
@@ -346,6 +351,9 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
         speed = seq.add_round(base.run.step_times_s, cand.run.step_times_s,
                               base.run.watch.cores_used if base.run.watch is not None else None)
         state["busy_rounds"] = seq.busy  # left out and measured again (agents/profiler/quiet.py)
+        if "wait_policy" not in state and "OMP_WAIT_POLICY" not in base_env and quiet.contended_round(
+                seq.baseline_cores, [statistics.median(r) for r in seq.baseline_rounds], max_rounds):
+            state["wait_policy"] = f"passive from round {index}: the machine was contended in round {index - 1}"
         planned = index + seq.rounds_to_next_look()  # the sequential rule's next look (agents/profiler/sequential.py)
         progress("timing", index, planned)
         if index < planned:
@@ -354,6 +362,8 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
     assert speed is not None  # the loop ends only when the sequential rule has stopped
     reason = _SPEED_REASONS[speed.outcome]
     busy_note = quiet.describe(seq.baseline_cores, state["busy_rounds"], max_rounds)
+    if "wait_policy" in state:
+        busy_note += f"; OpenMP wait policy {state['wait_policy']}"
     return verdict(reason, f"{speed.message}{busy_note}; {state['numerics'].message}", "done", speed=speed, ratio=speed.ratio,
                    ratio_ci=(speed.ci_low, speed.ci_high))
 

@@ -8,6 +8,16 @@ kernel tells when that happens: the baseline's timed steps got fewer cores than 
 decides: the candidate could lower its own on purpose to have the rounds it lost dropped, while
 what it does to the baseline is checked separately (`conduct.check_partner`).
 
+OpenMP's default wait policy makes that many times worse: idle threads spin for their sibling
+instead of sleeping. benchmarks/wait_policy.py measured a paired llama round beside one busy process
+at ~150 s with the default policy and ~8 s with OMP_WAIT_POLICY=PASSIVE (quiet: 4.5 s against
+5.4 s, passive threads wake later). So the gate's children run with the default policy on a quiet
+machine and with PASSIVE (`PASSIVE_ENV`) from the moment the gate sees contention: a load average
+above the cores when it starts (`contended_at_start`), or a round that was busy or whose baseline
+steps took `SLOW_ROUND_FACTOR` times the gate's quickest round (`contended_round`). Both sides of a
+round always share one policy, so every round's ratio stays a like-for-like comparison; the verdict
+says when the gate switched.
+
 A round is *busy* when the baseline used less than `BUSY_SHARE` of the most cores it used on any
 round of this gate. Its times are left out of the decision and one more round is run in its place,
 at most `MAX_EXTRA_SHARE` times the planned rounds (beyond that the busy rounds count: the gate
@@ -23,6 +33,29 @@ from collections.abc import Sequence
 
 BUSY_SHARE = 0.75
 MAX_EXTRA_SHARE = 0.5
+PASSIVE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+SLOW_ROUND_FACTOR = 3.0
+LOAD_MARGIN = 0.5  # load average above the cores by this much: someone else is computing
+
+
+def contended_at_start(cpus: int | None = None) -> bool:
+    """True when the 1-minute load average exceeds the cores (plus `LOAD_MARGIN`) as a gate starts."""
+    try:
+        one = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return False
+    return one > (cpus or os.cpu_count() or 1) + LOAD_MARGIN
+
+
+def contended_round(baseline_cores: Sequence[float | None], baseline_medians: Sequence[float], planned: int) -> bool:
+    """True when the latest round was busy, or its baseline's median step took `SLOW_ROUND_FACTOR` times
+    the quickest round's of this gate."""
+    last = len(baseline_medians) - 1
+    if last < 0:
+        return False
+    if last in busy_rounds(baseline_cores, max(planned, 2 * len(baseline_cores))):
+        return True
+    return baseline_medians[last] > SLOW_ROUND_FACTOR * min(baseline_medians)
 
 
 def busy_rounds(baseline_cores: Sequence[float | None], planned: int) -> list[int]:

@@ -4,17 +4,20 @@ The gate used to take one look after `rounds` rounds and, when that was inconclu
 one more over `max_rounds`. Here it looks at 6, 8, 10, ... rounds up to the last look and stops at
 the first look that decides, either way; close calls go on. What keeps the calibrated error rates:
 
-- **One level at every look, chosen for the whole schedule** (a Pocock-type group-sequential
-  design). The decision at a look is `stats.decide_speed` (the exact signed-rank test on the
-  per-round log ratios, the bootstrap interval, the minimum gain) at a nominal one-sided level
-  `c` instead of alpha. `c` is set so that, when the candidate is no faster (no slower), the
-  probability that *any* look of the schedule calls it faster (slower) is at most alpha =
-  (1 - confidence) / 2. The signed-rank statistics of all looks have a joint null distribution
-  that does not depend on the data's distribution (independent, symmetric, continuous per-round
-  differences: every sign is a fair coin, independent of the order of the magnitudes, which is a
-  uniformly random permutation), so `c` is computed once per schedule, by simulating that null
-  with a fixed seed (`nominal_level`). The interval is a second guard at the same level: it can
-  only make the gate more cautious.
+- **Levels chosen for the whole schedule** (a group-sequential design). The decision at a look is
+  `stats.decide_speed` (the exact signed-rank test on the per-round log ratios, the bootstrap
+  interval, the minimum gain) at a nominal one-sided level instead of alpha. The first look (6
+  rounds) decides only when every one of its rounds points the same way (`unanimous_level`: the
+  exact test's smallest p-value, 2**-6, whose chance under the null is 1.6% of the 2.5%), so a
+  clear result stops after 6 rounds; every later look gets one level `c`, set so that, when the
+  candidate is no faster (no slower), the probability that *any* look calls it faster (slower) is
+  at most alpha = (1 - confidence) / 2 (`look_levels`). The signed-rank statistics of all looks
+  have a joint null distribution that does not depend on the data's distribution (independent,
+  symmetric, continuous per-round differences: every sign is a fair coin, independent of the order
+  of the magnitudes, which is a uniformly random permutation), so the levels are computed once per
+  schedule, by simulating that null with a fixed seed. When the first look is too short for a
+  unanimous look to fit the budget, every look gets one level (`nominal_level`, Pocock). The
+  interval is a second guard at the same level: it can only make the gate more cautious.
 - **Futility** (stop early, not significant): at a look before the last, when even the current
   trend continued to the last look would cross the boundary with probability below
   `FUTILITY_POWER` (conditional power, normal approximation on the log ratios). Stopping for
@@ -43,6 +46,7 @@ from trainbridge.agents.profiler.stats import SpeedDecision, SpeedOutcome, decid
 FIRST_LOOK = 6  # the fewest rounds at which the exact signed-rank test can reach p < 0.025
 LOOK_EVERY = 2
 FUTILITY_POWER = 0.05
+FIRST_SPEND = 0.75  # the most of alpha a unanimous first look may spend (look_levels)
 NULL_SIMULATIONS = 40_000
 NULL_SEED = 20261201
 
@@ -84,6 +88,48 @@ def nominal_level(schedule: tuple[int, ...], alpha: float) -> float:
     return minima[int(alpha * len(minima))]
 
 
+def unanimous_level(n: int) -> float:
+    """The one-sided level at which the exact signed-rank test on `n` rounds decides only when every
+    round points the same way (p = 2**-n is the only p-value below it; its chance under the null is 2**-n)."""
+    return 2.0 ** (1 - n)
+
+
+@lru_cache(maxsize=64)
+def look_levels(schedule: tuple[int, ...], alpha: float, first_unanimous: bool = True) -> tuple[float, ...]:
+    """The one-sided level of each look of `schedule`. With `first_unanimous` (when the first look is
+    long enough that a unanimous first look costs at most `FIRST_SPEND` of `alpha`): the first look
+    decides only when all its rounds agree (`unanimous_level`), spending 2**-n of alpha, and every later
+    look gets one level `c`, the largest with P(first look or any later look rejects) <= alpha under
+    the null (simulated as `nominal_level`, jointly with the first look). Otherwise every look gets
+    `nominal_level` (Pocock)."""
+    if len(schedule) == 1:
+        return (alpha,)
+    first = schedule[0]
+    spend = 2.0 ** -first
+    if not first_unanimous or spend > FIRST_SPEND * alpha:
+        return (nominal_level(schedule, alpha),) * len(schedule)
+    rng = random.Random(NULL_SEED)
+    last = schedule[-1]
+    tables = {n: signed_rank_tail_tables(n)[0] for n in schedule}
+    budget = int(alpha * NULL_SIMULATIONS)
+    rest: list[float] = []
+    for _ in range(NULL_SIMULATIONS):
+        magnitudes = [rng.random() for _ in range(last)]
+        negative = [rng.random() < 0.5 for _ in range(last)]
+        ps = []
+        for n in schedule:
+            order = sorted(range(n), key=magnitudes.__getitem__)
+            w_plus = sum(rank for rank, i in enumerate(order, start=1) if not negative[i])
+            ps.append(tables[n][w_plus])
+        if ps[0] < unanimous_level(first):
+            budget -= 1  # rejected at the first look whatever the later levels
+        else:
+            rest.append(min(ps[1:]))
+    rest.sort()
+    later = rest[budget] if 0 <= budget < len(rest) else 0.0
+    return (unanimous_level(first), *([later] * (len(schedule) - 1)))
+
+
 def conditional_power(logs: Sequence[float], last: int, level: float) -> float:
     """The chance that the current trend, continued to `last` rounds, ends beyond the boundary in
     its own direction (normal approximation: z of the mean log ratio, information fraction n/last)."""
@@ -115,8 +161,13 @@ class SequentialGate:
     stopped: str | None = None  # "decided", "futility", "last look"
 
     @property
+    def levels(self) -> tuple[float, ...]:
+        return look_levels(self.schedule, (1.0 - self.confidence) / 2.0)
+
+    @property
     def level(self) -> float:
-        return nominal_level(self.schedule, (1.0 - self.confidence) / 2.0)
+        """The level of the looks after the first (the futility rule's boundary)."""
+        return self.levels[-1]
 
     @property
     def busy(self) -> list[int]:
@@ -153,7 +204,7 @@ class SequentialGate:
         return self.decision
 
     def _decide(self, base, cand, *, final: bool) -> SpeedDecision | None:
-        level = self.level
+        level = self.levels[self.schedule.index(self.looks_taken[-1])]
         decision = decide_speed(base, cand, self.min_gain, 1.0 - 2.0 * level)
         look = f"look {len(self.looks_taken)} of {len(self.schedule)} at {len(base)} rounds, one-sided level {level:.4g} per look"
         if decision.outcome != SpeedOutcome.not_significant:
@@ -162,7 +213,7 @@ class SequentialGate:
             self.stopped = "last look"
         else:
             logs = [math.log(r) for r in decision.round_ratios]
-            power = conditional_power(logs, self.schedule[-1], level)
+            power = conditional_power(logs, self.schedule[-1], self.level)
             if power >= FUTILITY_POWER:
                 return None  # close: go on
             self.stopped = "futility"
