@@ -192,5 +192,22 @@ def per_candidate_seconds(state: dict[str, Any]) -> dict[str, Any]:
         return statistics.median(values) if values else None
 
     return {"judge_s": judge, "region_s": region, "gate_s": gate, "coder_s": coder, "judged": len(judge),
+            "region_agreement": region_agreement(state),
             "median_judge_s": median(judge), "median_gate_s": median(gate), "median_region_s": median(region),
             "median_coder_s": median(coder)}
+
+
+def region_agreement(state: dict[str, Any]) -> dict[str, Any]:
+    """The region lab's verdict beside the whole-step gate's, per judged candidate whose region was
+    timed (the verdict records' "gate" summary): agreement when both say faster, both slower, or the
+    region says "same" and the gate finds no significant change."""
+    pairs = []
+    for v in state.get("verdicts") or []:
+        g = v.get("gate") or {}
+        region = g.get("region_verdict")
+        if region in (None, "unisolated") or v.get("reason") not in ("accepted", "slower", "not_significant", "region_slower"):
+            continue  # no region timing, or the gate stopped before speed (numerics, conduct, a crash)
+        gate = "faster" if v.get("accepted") else "slower" if v.get("reason") in ("slower", "region_slower") else "same"
+        pairs.append({"candidate": v.get("candidate"), "region": region, "region_ratio": g.get("region_ratio"), "gate": gate,
+                      "gate_ratio": v.get("ratio"), "agree": region == gate})
+    return {"pairs": pairs, "timed": len(pairs), "agree": sum(p["agree"] for p in pairs)}

@@ -68,6 +68,13 @@ def one_round(workload, other, inputs: RoundInputs, env: dict[str, str], busy: b
             "loadavg": os.getloadavg()[0]}
 
 
+def write_json(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", type=Path, default=HERE.parent / "examples" / "llama_pretrain")
@@ -94,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                                           index_range=256)
                 result = one_round(workload, others[pair], inputs, POLICIES[policy], load != "quiet")
                 samples[f"{policy} / {load} / {pair}"].append(result)
+                write_json(args.out, {"workload": str(args.workload), "reps": args.reps, "samples": samples, "status": "incomplete",
+                                      "wall_s": time.monotonic() - started})  # a cut run keeps what it measured
                 print(f"rep {rep + 1}/{args.reps} {policy:8s} {load:16s} {pair:12s}: round {result['wall_s']:.1f} s, steps "
                       f"{1000 * result['median_step_s'][0]:.0f}/{1000 * result['median_step_s'][1]:.0f} ms, ratio {result['aa_ratio']:.3f}",
                       file=sys.stderr, flush=True)
@@ -109,9 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         sd = f"{row['sd_log_ratio']:.3f}" if row["sd_log_ratio"] is not None else "n/a"
         print(f"| {row['cell']} | {row['round_wall_s']:.1f} | {row['median_step_ms']:.0f} | {row['mean_log_ratio']:+.3f} | {sd} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"workload": str(args.workload), "reps": args.reps, "rows": rows, "samples": samples,
-                                    "wall_s": time.monotonic() - started}, indent=1), encoding="utf-8")
+    write_json(args.out, {"workload": str(args.workload), "reps": args.reps, "rows": rows, "samples": samples, "status": "complete",
+                          "wall_s": time.monotonic() - started})
     print(f"JSON: {args.out}")
     return 0
 

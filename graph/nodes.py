@@ -244,6 +244,7 @@ def decide(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         workspace = ctx.workspace(state["base_sha"])
         record = verdict_record(candidate, accepted=verdict["accepted"], reason=verdict["reason"], message=verdict["message"],
                                  ratio=verdict.get("ratio"), ratio_ci=verdict.get("ratio_ci"))
+        record["gate"] = gate_summary(verdict)
         if verdict["accepted"]:
             result = workspace.accept_candidate(candidate.name)
             record["sha"] = result.sha
@@ -361,6 +362,15 @@ def learn_recipe(ctx: RunContext, workspace, candidate: Candidate, state: RunSta
 
 
 # --- helpers -------------------------------------------------------------------------------------
+
+
+def gate_summary(verdict: dict[str, Any]) -> dict[str, Any]:
+    """What the run keeps of how the gate got there: its wall time, rounds, busy rounds, wait policy
+    and the region lab's verdict and ratio (benchmarks/loop_cost.py reads them back)."""
+    region = verdict.get("region") or {}
+    return {"wall_s": verdict.get("wall_s"), "rounds": len(verdict.get("baseline_rounds") or []),
+            "busy_rounds": verdict.get("busy_rounds") or [], "wait_policy": verdict.get("wait_policy"),
+            "region_verdict": region.get("verdict"), "region_ratio": region.get("ratio"), "region_interval": region.get("interval")}
 
 
 def verdict_record(candidate: Candidate, *, accepted: bool, reason: str, message: str, ratio=None, ratio_ci=None) -> dict[str, Any]:

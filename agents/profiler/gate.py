@@ -25,14 +25,18 @@
    ``emulated_speed`` (NPU emulation on a host without an NPU) the gate stops after it:
    ``speed_unmeasured_numerics_ok``.
 4. **Decision** on the per-round medians of the parent-timed measured steps, by the sequential
-   rule (`sequential.SequentialGate`): a look at 6, 8, 10, ... rounds up to ``max_rounds``, each at
-   one level chosen so that the whole schedule keeps the false-accept rate, stopping at the first
-   look that decides either way or shows the rest cannot (futility). A round in which the baseline
-   got far fewer cores than on a quiet round is left out and measured again (`quiet`).
-5. **Children** start from a fork server that imported torch and the harness once (entry mode, on
-   the CPU: sandbox/fork_server.py), each still a fresh process per side and round; ``spawn``
-   "exec" (or TRAINBRIDGE_GATE_SPAWN=exec) starts a new interpreter for each, as before. The verdict
-   records which.
+   rule (`sequential.SequentialGate`): a look at 6, 8, 10, ... rounds up to ``max_rounds`` (the
+   first decides only when all its rounds agree, the later ones share the rest of the error
+   budget), stopping at the first look that decides either way or shows the rest cannot
+   (futility). A round in which the baseline got far fewer cores than on a quiet round is left out
+   and measured again; once the machine is seen contended the children run under
+   OMP_WAIT_POLICY=PASSIVE (`quiet`).
+5. **Children** start from a fork server that imported torch, dynamo and the harness once (entry
+   mode, on the CPU: sandbox/fork_server.py), kept warm across the gates of one process, each child
+   still a fresh process per side and round; ``spawn`` "exec" (or TRAINBRIDGE_GATE_SPAWN=exec)
+   starts a new interpreter for each, as before. The verdict records which. The probe's training
+   steps count towards a child's warm-up (`gate_warmup`), and the baseline's drift is measured once
+   per baseline program (`DRIFT_CACHE`).
 
 A failure of the *baseline* is not the candidate's fault: it raises `GateError`.
 """
