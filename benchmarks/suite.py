@@ -48,7 +48,7 @@ if str(HERE) not in sys.path:  # run as a script: the sibling modules (benchmark
 
 SECTIONS = ("speedup", "loop_cost", "calibration", "kb_latency", "analysis_scaling", "ranks")
 EXAMPLES = ("llama_pretrain", "gpt2_pretrain", "resnet_classify", "clip_pretrain")
-FULL = dict(workloads=list(EXAMPLES), run_budget_s=1200.0, max_candidates=40, gate_rounds=10, run_reference=True,
+FULL = dict(workloads=list(EXAMPLES), run_budget_s=420.0, max_candidates=40, gate_rounds=10, run_reference=True,
             rounds=6, steps=8, calibration_gates=2, calibration_rounds=8, calibration_steps=20,
             kb_sizes=[10_000, 100_000], kb_queries=40, depths=[2, 4, 8, 16], ranks_rounds=4)
 QUICK = dict(workloads=["llama_pretrain"], run_budget_s=60.0, max_candidates=1, gate_rounds=6, run_reference=False,
@@ -152,8 +152,10 @@ def write_atomic(path: Path, text: str) -> None:
 # --- sections -------------------------------------------------------------------------------------
 
 
-def run_workloads(settings: dict[str, Any], sections: list[str], tmp: Path, say: Progress) -> tuple[dict, dict]:
-    """For each workload: a real run, then (if asked) the four-variant speed measurement."""
+def run_workloads(settings: dict[str, Any], sections: list[str], tmp: Path, say: Progress,
+                  on_workload=None) -> tuple[dict, dict]:
+    """For each workload: a real run, then (if asked) the speed measurement; `on_workload(speed, cost)`
+    after each one (the suite saves what it has: a killed suite keeps its finished workloads)."""
     import fresh_arms
     import loop_cost
     from trainbridge.sandbox.workload import load_workload
@@ -206,6 +208,8 @@ def run_workloads(settings: dict[str, Any], sections: list[str], tmp: Path, say:
             entry["error"] = f"{type(exc).__name__}: {exc}"
             entry["traceback"] = traceback.format_exc()[-3000:]
             say(f"[{name}] failed: {entry['error'][:300]}")
+        if on_workload is not None:
+            on_workload(speed, cost)
     return speed, cost
 
 
@@ -300,7 +304,14 @@ def main(argv: list[str] | None = None) -> int:
         if "speedup" in sections or "loop_cost" in sections:
             t0 = time.monotonic()
             try:
-                speed, cost = run_workloads(settings, sections, tmp, say)
+                def partial(speed: dict, cost: dict) -> None:
+                    if "speedup" in sections:
+                        record["sections"]["speedup"] = {"status": "incomplete", **speed, "wall_s": time.monotonic() - t0}
+                    if "loop_cost" in sections:
+                        record["sections"]["loop_cost"] = {"status": "incomplete", **cost}
+                    save()
+
+                speed, cost = run_workloads(settings, sections, tmp, say, on_workload=partial)
                 speed, cost = {"status": "ok", **speed}, {"status": "ok", **cost}
             except Exception as exc:  # per-workload failures are caught inside; this is the machinery itself
                 speed = cost = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}

@@ -401,3 +401,23 @@ def test_a_slowdown_is_planted_in_any_entry_workload(tmp_path):
     assert 1.3 < ratio < 2.6, (ratio, medians)
     inner = [statistics.median(r.inner_step_times_s) for r in runs]
     assert statistics.median([inner[1] / inner[0], inner[2] / inner[3]]) > ratio * 0.9  # the child's clock agrees
+
+
+def test_region_agreement_and_per_candidate_seconds_come_from_the_runs_own_records():
+    loop_cost = bench("loop_cost")
+
+    def record(name, reason, accepted, region, ratio=None):
+        return {"candidate": name, "reason": reason, "accepted": accepted, "ratio": ratio,
+                "gate": {"region_verdict": region, "region_ratio": 0.5 if region == "faster" else 1.0}}
+
+    state = {"verdicts": [record("a", "accepted", True, "faster", 0.9), record("b", "not_significant", False, "faster"),
+                          record("c", "not_significant", False, "same"), record("d", "numerics_mismatch", False, "same"),
+                          record("e", "accepted", True, "unisolated", 0.95), {"candidate": None, "reason": "not_applicable"}],
+             "phase_times": [{"node": "profiler", "wall_s": 30.0, "parts": {"region": 5.0, "timing": 20.0}},
+                             {"node": "coder", "wall_s": 0.4}, {"node": "profiler", "wall_s": 50.0, "parts": {}}]}
+    agreement = loop_cost.region_agreement(state)
+    assert (agreement["timed"], agreement["agree"]) == (3, 2)  # d stopped at numerics, e had no region timing
+    assert [p["candidate"] for p in agreement["pairs"] if not p["agree"]] == ["b"]
+    per = loop_cost.per_candidate_seconds(state)
+    assert per["judge_s"] == [30.0, 50.0] and per["gate_s"] == [25.0, 50.0] and per["median_judge_s"] == 40.0
+    assert per["median_coder_s"] == 0.4 and per["region_agreement"]["agree"] == 2
