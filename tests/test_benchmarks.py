@@ -330,15 +330,15 @@ def test_calibration_blocks_are_decided_with_the_gates_sequential_rule():
     decided = calibration.decide_blocks(rounds, 20, args, [0.02, 0.05, 0.1], sliding=False)
     gain = decided["-4.8% (5% gain)"][0]
     assert gain["outcome"] == "accepted" and gain["looks"] > 2 and 10 < gain["rounds_used"] <= 20
-    slower = decided["+10% slower"][0]  # decided at the first look that can decide (8 rounds): the rest is not read
-    assert slower["rounds_used"] == 8 and slower["looks"] == 2 and slower["outcome"] == "slower" and slower["stopped"] == "decided"
+    slower = decided["+10% slower"][0]  # every round agrees: decided at the first look (6 rounds), the rest is not read
+    assert slower["rounds_used"] == 6 and slower["looks"] == 1 and slower["outcome"] == "slower" and slower["stopped"] == "decided"
     # exactly what the gate's own rule says on the same rounds
     expected = replay([[0.1]] * 20, [[c] for c in cand], None, rounds=10, max_rounds=20)
     assert gain["rounds_used"] == len(expected.baseline_rounds) and gain["ratio"] == expected.decision.ratio
     one = calibration.decide_blocks(rounds[:10], 10, args, [0.02, 0.05, 0.1], sliding=False, sequential=False)
     assert one["-4.8% (5% gain)"][0]["outcome"] == "not_significant" and one["-4.8% (5% gain)"][0]["rounds_used"] == 10
     rows = {r["condition"]: r for r in calibration.summarise(decided)}
-    assert rows["+10% slower"]["mean_rounds"] == 8 and rows["-4.8% (5% gain)"]["mean_rounds"] == gain["rounds_used"]
+    assert rows["+10% slower"]["mean_rounds"] == 6 and rows["-4.8% (5% gain)"]["mean_rounds"] == gain["rounds_used"]
 
 
 def test_paired_calibration_rounds_pair_each_condition_within_its_own_pair_and_leave_busy_rounds_out():

@@ -33,3 +33,27 @@ def test_contention_is_seen_in_a_busy_round_or_a_round_far_slower_than_the_quick
     assert quiet.contended_at_start(cpus=2)
     monkeypatch.setattr(quiet.os, "getloadavg", lambda: (2.2, 2.0, 1.0))  # the gate's own two children of a moment ago
     assert not quiet.contended_at_start(cpus=2)
+
+
+def test_a_parameter_whose_change_the_baseline_does_not_reproduce_is_not_judged_by_direction():
+    """An attention key's bias has a zero true gradient: AdamW turns its rounding noise into full-size
+    steps, so two honest runs move it in unrelated directions. The drift marks it as noise; the timed
+    check then judges only that it changes, and still judges every other parameter."""
+    import torch
+
+    from trainbridge.agents.profiler.drift import timed_drift
+    from trainbridge.agents.profiler.integrity import check_timed_deltas
+
+    torch.manual_seed(0)
+    weight = torch.randn(64)
+    base = {"w": weight, "key.bias": torch.randn(16)}
+    ref = {"w": weight * 1.0001, "key.bias": torch.randn(16)}  # the baseline again: same w, unrelated noise in the bias
+    drift = timed_drift([1.0], [1.0], base, ref)
+    assert drift.noise_params == ["key.bias"] and drift.delta_cosine_min > 0.99
+    candidate = {"w": weight * 1.0002, "key.bias": -base["key.bias"]}  # honest: noise the other way
+    assert check_timed_deltas(1, [], [], base, candidate, 0.9, 0.5, frozenset(drift.noise_params)) == []
+    assert check_timed_deltas(1, [], [], base, candidate, 0.9, 0.5)  # without the drift's word it looks like other work
+    cheat = {"w": -weight, "key.bias": base["key.bias"]}  # the parameters that carry the work are still judged
+    assert check_timed_deltas(1, [], [], base, cheat, 0.9, 0.5, frozenset(drift.noise_params))
+    skipped = check_timed_deltas(1, [], ["key.bias"], base, candidate, 0.9, 0.5, frozenset(drift.noise_params))
+    assert skipped and "left 1 parameter(s) unchanged" in skipped[0].message  # a noise parameter must still change

@@ -6,7 +6,9 @@ gate's first round therefore runs the baseline a second time on the same seed an
 another thread count (reductions split differently: rounding changes, the math does not) and
 widens every tolerance to `margin` times what it sees: the probe's (`numerics.widen_tolerance`)
 and the timed steps' losses and parameter changes. A candidate is never asked to be closer to the
-baseline than the baseline is to itself; where the baseline is stable, the tolerances stay tight.
+baseline than the baseline is to itself; where the baseline is stable, the tolerances stay tight. A
+parameter whose change the baseline does not reproduce at all (`noise_params`) is judged only on
+whether it changes, not on its direction.
 
 The drift is the baseline's alone (the candidate plays no part in it), so a gate whose baseline is
 the same program as an earlier gate's, file for file and setting for setting, reuses that gate's
@@ -25,6 +27,7 @@ from pydantic import BaseModel, ConfigDict
 from trainbridge.agents.profiler.numerics import NumericsResult, NumericsTolerance, rel_diff, widen_tolerance
 
 MARGIN = 10.0
+NOISE_COSINE = 0.5  # a parameter whose change the baseline itself reproduces with a lower cosine is rounding noise
 
 
 class TimedDrift(BaseModel):
@@ -35,6 +38,8 @@ class TimedDrift(BaseModel):
     loss_max_rel_diff: float
     delta_cosine_min: float
     delta_norm_max_rel_diff: float
+    noise_params: list[str] = []  # parameters whose change the baseline does not reproduce (cosine < NOISE_COSINE): not judged by
+    # direction or size (e.g. an attention key's bias, whose true gradient is zero: AdamW turns its rounding noise into full steps)
 
 
 class GateDrift(BaseModel):
@@ -77,6 +82,7 @@ def timed_drift(base_losses: list[float], other_losses: list[float], base_deltas
     pairs = [(b, o) for b, o in zip(base_losses, other_losses) if math.isfinite(b) and math.isfinite(o)]
     loss = max((rel_diff(b, o) for b, o in pairs), default=0.0)
     cosine, norm = 1.0, 0.0
+    noise: list[str] = []
     for name, base in base_deltas.items():
         other = other_deltas.get(name)
         if other is None or tuple(other.shape) != tuple(base.shape):
@@ -85,9 +91,13 @@ def timed_drift(base_losses: list[float], other_losses: list[float], base_deltas
         b_norm, o_norm = float(b.norm()), float(o.norm())
         if b_norm == 0.0 or o_norm == 0.0:
             continue
-        cosine = min(cosine, float(b @ o) / (b_norm * o_norm))
+        own = float(b @ o) / (b_norm * o_norm)
+        if own < NOISE_COSINE:
+            noise.append(name)  # the baseline does not reproduce its own change here: rounding noise, no direction to judge
+            continue
+        cosine = min(cosine, own)
         norm = max(norm, abs(o_norm - b_norm) / b_norm)
-    return TimedDrift(loss_max_rel_diff=loss, delta_cosine_min=cosine, delta_norm_max_rel_diff=norm)
+    return TimedDrift(loss_max_rel_diff=loss, delta_cosine_min=cosine, delta_norm_max_rel_diff=norm, noise_params=sorted(noise))
 
 
 def widen_for_drift(base: NumericsTolerance, probe: NumericsResult, timed: TimedDrift, margin: float = MARGIN) -> NumericsTolerance:

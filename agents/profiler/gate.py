@@ -338,7 +338,9 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
         if not numerics.passed:
             message = numerics.message if index == 0 else f"{where}: {numerics.message}"
             return verdict(VerdictReason.numerics_mismatch, message, phase, **({} if index == 0 else {"numerics": numerics}))
-        found = judge_timed(index, base, cand, tolerance, nondeterministic=nondeterministic)
+        drift = state.get("drift")
+        found = judge_timed(index, base, cand, tolerance, nondeterministic=nondeterministic,
+                            noise=frozenset(drift.timed.noise_params) if drift is not None else frozenset())
         if found:
             return verdict(VerdictReason(found[0].kind.value), _findings_message(found, numerics), phase, findings=found)
         if index == 0:
@@ -427,7 +429,8 @@ def judge_conduct(base: SideRun, cand: SideRun, threads: int, where: str) -> lis
     return findings or check_probes(base.report, cand.report)
 
 
-def judge_timed(index: int, base: SideRun, cand: SideRun, tolerance: NumericsTolerance, *, nondeterministic: bool = False) -> list[Finding]:
+def judge_timed(index: int, base: SideRun, cand: SideRun, tolerance: NumericsTolerance, *, nondeterministic: bool = False,
+                noise: frozenset[str] = frozenset()) -> list[Finding]:
     """The timed steps against the baseline's: every loss, and each parameter's change (empty: clean). For a
     nondeterministic program only which parameters change is compared (their batches differ)."""
     timed_base = [*base.run.losses, *base.run.cooldown_losses]
@@ -437,7 +440,7 @@ def judge_timed(index: int, base: SideRun, cand: SideRun, tolerance: NumericsTol
                                   -1.0, float("inf"))
     findings = check_timed_losses(index, timed_base, timed_cand, tolerance.timed_loss_rtol, tolerance.loss_atol)
     return findings or check_timed_deltas(index, base.unchanged or [], cand.unchanged or [], base.deltas or {}, cand.deltas or {},
-                                          tolerance.timed_delta_cosine_min, tolerance.timed_delta_norm_rtol)
+                                          tolerance.timed_delta_cosine_min, tolerance.timed_delta_norm_rtol, noise)
 
 
 def _failure_message(failure: Failure, where: str) -> str:

@@ -114,10 +114,12 @@ def check_timed_losses(round_index: int, baseline: list[float], candidate: list[
 
 
 def check_timed_deltas(round_index: int, baseline_unchanged: list[str], candidate_unchanged: list[str],
-                       baseline_deltas: dict, candidate_deltas: dict, cosine_min: float, norm_rtol: float) -> list[Finding]:
+                       baseline_deltas: dict, candidate_deltas: dict, cosine_min: float, norm_rtol: float,
+                       noise: frozenset[str] = frozenset()) -> list[Finding]:
     """Each trainable parameter's change over the timed steps of one round, candidate against baseline
     (same seed and batches): a parameter the baseline moves must move, in the same direction and by
-    about as much. Parameters whose baseline change is zero are not judged by direction."""
+    about as much. Parameters whose baseline change is zero, or rounding noise the baseline does not
+    reproduce itself (`noise`, from the gate's drift), are not judged by direction."""
     skipped = [n for n in candidate_unchanged if n not in set(baseline_unchanged) and n in baseline_deltas]
     if skipped:
         return [Finding(kind=FindingKind.skipped_work, message=(
@@ -133,6 +135,8 @@ def check_timed_deltas(round_index: int, baseline_unchanged: list[str], candidat
         if tuple(base.shape) != tuple(cand.shape):
             return [Finding(kind=FindingKind.skipped_work, message=(
                 f"timed round {round_index}: parameter {name!r} has shape {tuple(cand.shape)}, the baseline's {tuple(base.shape)}"))]
+        if name in noise:
+            continue
         b, c = base.double().reshape(-1), cand.double().reshape(-1)
         b_norm, c_norm = float(b.norm()), float(c.norm())
         if b_norm == 0.0:
