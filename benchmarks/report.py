@@ -139,6 +139,10 @@ def _speedup_notes(section: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _or_unknown(value) -> str:
+    return "?" if value is None else str(value)
+
+
 def intents_section(section: dict[str, Any]) -> list[str]:
     lines = ["", "### What each run found, and why an intent has no winning recipe", ""]
     for w in section.get("workloads", []):
@@ -157,7 +161,7 @@ def intents_section(section: dict[str, Any]) -> list[str]:
                               for t in i["tried"]) or "—"
             kernels = ", ".join(f"`{k}`" for k in (i.get("compile_kernels") or [])[:4]) or "—"
             if i.get("eager_ops") is not None or i.get("reference_kernels") is not None:
-                kernels += f" ({i.get('eager_ops', '?')} -> {i.get('reference_kernels', '?')})"
+                kernels += f" ({_or_unknown(i.get('eager_ops'))} eager ops -> {_or_unknown(i.get('reference_kernels'))} kernels)"
             lines.append(f"| {i['category']} | {i.get('where') or NA} | {i['status']} | {tried} | {kernels} |")
         lines.append("")
     return lines

@@ -54,7 +54,7 @@ def run(
     kb_dir: Optional[Path] = typer.Option(None, "--kb-dir", help="Embedded knowledge base directory (default: per user)."),
     run_id: Optional[str] = typer.Option(None, "--run-id", callback=valid_run_id, help="Name of the run: 1-64 letters, digits, '_' or '-', starting with a letter or digit (default: <repo>-<timestamp>)."),
     min_gain: float = typer.Option(0.01, help="Smallest step-time gain to accept (0.01 = 1%)."),
-    rounds: int = typer.Option(10, help="Interleaved A/B rounds per candidate in the gate (twice as many when the first look is inconclusive but shows a gain or loss of at least the minimum gain)."),
+    rounds: int = typer.Option(10, help="Interleaved A/B rounds per candidate in the gate: it looks at 6, 8, ... rounds up to twice this many, and stops at the first look that decides (6 when every round agrees)."),
     final_rounds: int = typer.Option(6, help="Interleaved rounds of the closing comparison: original, final head and torch.compile of the original (0: a single plain measurement)."),
     category: Optional[list[str]] = typer.Option(None, "--category", help="Only intents of this category (repeatable)."),
     server: Optional[str] = typer.Option(None, "--server", help="Submit the run to the LangGraph server at this URL (`trainbridge serve`) instead of running it here; REPO and the other paths are read on the server's machine. Ctrl-C detaches, the run goes on."),

@@ -46,8 +46,8 @@ class RunConfig(BaseModel):
     kb_dir: str | None = None
     min_gain: float = Field(default=0.01, ge=0, lt=1, description="smallest accepted step-time gain (0.01 = 1%)")
     gate_rounds: int = Field(default=10, ge=2)
-    gate_max_rounds: int | None = Field(default=None, ge=2, description="rounds of the gate's second look, for candidates whose "
-                                        "first look is inconclusive but shows a gain or loss of min_gain (None: twice gate_rounds)")
+    gate_max_rounds: int | None = Field(default=None, ge=2, description="the gate's last look (its looks run 6, 8, ... up to this; "
+                                        "None: twice gate_rounds)")
     low_gain_rounds_to_stop: int = Field(default=2, ge=1)
     final_rounds: int = Field(default=6, ge=0, description="interleaved rounds of the end-to-end comparison (original, final "
                               "head, torch.compile of the original) when something was accepted; 0: one plain measurement")
