@@ -68,7 +68,7 @@ def measure_fresh(original: Workload, branch: Workload | None, *, rounds: int, s
     samples: dict[str, list[list[float]]] = {arm: [] for arm in arms}
     failures: dict[str, str] = {}
     orders = williams_orders(arms, rounds)
-    with fork_server.serving(fork_server.default_spawn(backend), keep_warm=True):
+    with fork_server.serving(fork_server.default_spawn(backend)):
         for index, order in enumerate(orders):
             seed = rng.randrange(1, 2**31 - 1)
             for arm in order:

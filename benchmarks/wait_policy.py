@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tb-wait-policy-") as tmp, \
-            fork_server.serving(fork_server.default_spawn("cpu"), keep_warm=True):
+            fork_server.serving(fork_server.default_spawn("cpu")):
         slow = gate_calibration.planted_variant(workload.root, Path(tmp) / "slow", PLANTED)
         others = {"A/A": workload, f"+{100 * PLANTED:g}% planted": slow}
         for rep in range(args.reps):

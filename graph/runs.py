@@ -153,12 +153,13 @@ def run_lock(paths: RunPaths) -> Iterator[None]:
 def _invoke(config: RunConfig, paths: RunPaths, payload: Any, say: Callable[[str], None]) -> RunOutcome:
     from trainbridge.agents.coder.llm_config import LLMConfig
 
+    from trainbridge.sandbox import fork_server
     from trainbridge.sandbox.scratch import sweep_stale
 
     context = RunContext(config=config, paths=paths, say=say, llm=LLMConfig.from_env(os.environ))
     try:
         run_held = database_run_lock(config.checkpoint, config.run_id)  # across machines (Postgres); the flock: this one
-        with run_lock(paths), run_held, _compiled(paths, config.checkpoint) as graph:
+        with run_lock(paths), run_held, _compiled(paths, config.checkpoint) as graph, fork_server.warm_scope():
             swept = sweep_stale()
             if swept:
                 say(f"removed {len(swept)} scratch folder(s) left by killed TrainBridge processes")

@@ -15,8 +15,8 @@ it started itself.
 thread settings are read by OpenMP when torch is imported, so a server serves only children whose
 environment matches its own, the hash seed aside); `active()` is what sandbox/runner.py asks when
 it builds an entry-mode child. `TRAINBRIDGE_GATE_SPAWN=exec` turns it off. With ``keep_warm`` (the
-gate's default) the pool outlives the block: the next gate of the same process forks from the same
-servers instead of paying their start again (a server holds no state of any child, so a later
+gate's default) inside a `warm_scope` (a run) the pool outlives the block: the next gate of the run
+forks from the same servers instead of paying their start again (a server holds no state of any child, so a later
 gate's children are as fresh as a later round's); it keeps at most `WARM_SERVERS` servers (the
 least recently used is stopped) and is stopped by `shutdown_warm`, at the latest when the process
 exits (and a server exits by itself when the process that holds its socket dies).
@@ -232,6 +232,7 @@ class ForkPool:
 _ACTIVE: list[ForkPool] = []  # the innermost `serving` pool; empty outside a gate
 _WARM: dict[tuple[str, ...], ForkPool] = {}  # pools kept warm across gates, by isolation prefix
 _EXIT_HOOK: list = []  # shutdown_warm, once registered with atexit
+_SCOPES: list[bool] = []  # open `warm_scope` blocks
 
 
 def active() -> ForkPool | None:
@@ -251,7 +252,7 @@ def serving(kind: SpawnKind, *, prefix: tuple[str, ...] = (), work_dir: Path | N
         yield None
         return
     proc_watch.become_subreaper()  # forked children are handed to this process; without it they are exec'd
-    if keep_warm:
+    if keep_warm and _SCOPES:
         pool = _WARM.get(tuple(prefix))
         if pool is None:
             scratch = Path(tempfile.mkdtemp(prefix="trainbridge-warm-forkserver-", dir=work_dir))
@@ -274,6 +275,20 @@ def serving(kind: SpawnKind, *, prefix: tuple[str, ...] = (), work_dir: Path | N
         finally:
             _ACTIVE.remove(pool)
             pool.close()
+
+
+@contextlib.contextmanager
+def warm_scope() -> Iterator[None]:
+    """Inside this block (a whole run: graph/runs.py), `serving(..., keep_warm=True)` keeps its pool for
+    the next gate; the servers are stopped when the outermost block ends. Outside any block a gate's
+    pool lives for that gate only, so a library caller never finds servers it did not ask to keep."""
+    _SCOPES.append(True)
+    try:
+        yield
+    finally:
+        _SCOPES.pop()
+        if not _SCOPES:
+            shutdown_warm()
 
 
 def shutdown_warm() -> None:

@@ -225,3 +225,29 @@ def test_spawn_kind_is_chosen_by_the_environment(monkeypatch):
                  load_workload(Path(__file__).parent / "fixtures" / "workloads" / "tiny"))
     with fork_server.serving("exec") as pool:
         assert pool is None and fork_server.active() is None
+
+
+def test_a_pool_stays_warm_across_gates_only_inside_a_runs_scope():
+    """Inside `warm_scope` (a run) the next gate's `serving(keep_warm=True)` finds the same pool and its
+    started servers; the scope's end stops them. Outside a scope nothing outlives the block, so a library
+    caller (or a test) never finds servers it did not ask to keep."""
+    with fork_server.serving("fork-server", keep_warm=True) as alone:
+        pass
+    assert alone is not fork_server._WARM.get(()) and not fork_server._WARM
+    with fork_server.warm_scope():
+        with fork_server.serving("fork-server", keep_warm=True) as first:
+            server = ForkServerProbe.start(first)
+        with fork_server.serving("fork-server", keep_warm=True) as second:
+            assert second is first and server.process.poll() is None  # still running for the next gate
+    assert server.process.wait(timeout=10) is not None and not fork_server._WARM
+
+
+class ForkServerProbe:
+    """Starts one server in a pool the way a forked child would, without running a workload."""
+
+    @staticmethod
+    def start(pool):
+        env = {"PATH": os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1"}
+        server = fork_server.ForkServer.start(pool.prefix, env, pool.scratch)
+        pool.servers[("probe",)] = server
+        return server
