@@ -136,13 +136,6 @@ def _loop_cost(state: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _coverage_line(coverage: dict[str, Any]) -> str:
-    if coverage.get("every_intent_with_a_recipe"):
-        return f"intents: every intent with a recipe reached ({coverage.get('reached', 0)} worked)"
-    left = coverage.get("left_with_recipe") or []
-    return f"intents: {coverage.get('reached', 0)} worked; {len(left)} with a recipe not reached: {', '.join(left[:6])}"
-
-
 def _markdown(state, config, final, stop_reason, emulated_npu, kb_stats, charts) -> str:
     baseline = state.get("baseline_step_s")
     accepted = state.get("accepted") or []
@@ -157,7 +150,7 @@ def _markdown(state, config, final, stop_reason, emulated_npu, kb_stats, charts)
         f"- baseline step: {_ms(baseline)} (the unmodified program, measured when the run started)",
         f"- stopped because: {stop_reason}",
         f"- candidates tried: {state.get('candidates_tried') or 0}, accepted: {len(accepted)}",
-        *([f"- {_coverage_line(state['intent_coverage'])}"] if state.get("intent_coverage") else []),
+        *([f"- {state['intent_coverage']['line']}"] if (state.get("intent_coverage") or {}).get("line") else []),
         "",
         "## Result",
         "",

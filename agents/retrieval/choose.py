@@ -43,8 +43,7 @@ def choose_intent(intents: Iterable[dict[str, Any]], *, done: Collection[str], k
         intent = Intent.model_validate(data)
         if intent.id in done:
             continue
-        ranked = rank_recipes(kb, intent, target, n=RANKED)
-        queue = _allowed(allowed, [r.recipe.id for r in ranked if str(r.recipe.category) == str(intent.category)])
+        queue = own_recipes(kb, intent, target, allowed)
         if queue:
             return Choice(data, intent, queue, last_resort=False)
         if target in LAST_RESORT_TARGETS and deferred is None:
@@ -52,6 +51,12 @@ def choose_intent(intents: Iterable[dict[str, Any]], *, done: Collection[str], k
             if last:
                 deferred = Choice(data, intent, last, last_resort=True)
     return deferred
+
+
+def own_recipes(kb: KnowledgeBase, intent: Intent, target: str, allowed: Collection[str] | None) -> list[str]:
+    """The ids of the recipes of the intent's own category for `target`, best first (`allowed` only)."""
+    ranked = rank_recipes(kb, intent, target, n=RANKED)
+    return _allowed(allowed, [r.recipe.id for r in ranked if str(r.recipe.category) == str(intent.category)])
 
 
 def _allowed(allowed: Collection[str] | None, recipe_ids: list[str]) -> list[str]:
@@ -82,7 +87,7 @@ class IntentCoverage:
 
     def as_record(self) -> dict[str, Any]:
         return {"reached": self.reached, "left_with_recipe": list(self.left_with_recipe), "left_without": self.left_without,
-                "every_intent_with_a_recipe": self.every_intent_with_a_recipe}
+                "every_intent_with_a_recipe": self.every_intent_with_a_recipe, "line": self.line()}
 
 
 def intent_coverage(intents: Iterable[dict[str, Any]], *, done: Collection[str], kb: KnowledgeBase, target: str,
@@ -94,8 +99,7 @@ def intent_coverage(intents: Iterable[dict[str, Any]], *, done: Collection[str],
         intent = Intent.model_validate(data)
         if intent.id in done:
             continue
-        ranked = rank_recipes(kb, intent, target, n=RANKED)
-        if _allowed(allowed, [r.recipe.id for r in ranked if str(r.recipe.category) == str(intent.category)]):
+        if own_recipes(kb, intent, target, allowed):
             left.append(f"{intent.category} at {intent.spans[0] if intent.spans else '?'}")
         else:
             without += 1
