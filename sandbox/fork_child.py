@@ -13,7 +13,8 @@ private mount namespace (a file one child leaves there never reaches another), s
 /dev/null, stdout and stderr to the gate's files, the channel at the numbers every child gets
 (1000/1001), every other descriptor closed (the server's socket among them), the workload's
 working directory, environment (replaced as a whole) and `sys.path[0]` (its directory, as
-``python -m`` sets it), and argv as the exec'd harness sees it. Then it runs the harness.
+``python -m`` sets it), and argv as the exec'd harness sees it. Its name in a process listing
+(/proc/PID/comm) becomes `CHILD_NAME`; its /proc cmdline stays the server's. Then it runs the harness.
 
 The server never runs workload code and never reads anything from a child, so nothing a child
 does reaches the server or a later child.
@@ -38,6 +39,8 @@ PRELOAD = ("torch", "torch._dynamo", "torch.optim", "trainbridge.sandbox.harness
 _CLONE_NEWNS = 0x00020000
 _MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
 _FDS = ("command", "reply", "stdout", "stderr")
+CHILD_NAME = "tb-harness"  # a forked child's name in /proc/PID/comm and `ps -o comm` (its cmdline stays the server's)
+_PR_SET_NAME = 15
 
 
 def private_shm() -> bool:
@@ -63,11 +66,21 @@ def _probe_private_shm() -> bool:
     return os.waitstatus_to_exitcode(status) == 0
 
 
+def name_process(name: str) -> bool:
+    """Set this process's name (/proc/PID/comm, at most 15 bytes); False where the host refuses."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def become_child(request: dict, fds: list[int]) -> None:
     """Turn this freshly forked process into a harness child and run it; never returns."""
     code = 1
     try:
         os.setsid()
+        name_process(CHILD_NAME)  # tells a forked child from its server in a process listing
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_DFL)
         limit_mb = request.get("memory_limit_mb")

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from trainbridge.knowledge.store import KnowledgeBase
+from trainbridge.sandbox.fork_child import CHILD_NAME
 from trainbridge.tests.loop_fixtures import git
 
 REJECT_REASON = "keep the hand-written form here: it is the reference for a paper figure"
@@ -86,9 +88,36 @@ def child_env(home: Path) -> dict[str, str]:
     return {**env, "TRAINBRIDGE_HOME": str(home), "TMPDIR": str(home / "tmp"), "PYTHONUNBUFFERED": "1"}
 
 
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def is_harness(pid: int) -> bool:
+    """Whether `pid` is a sandbox child: an exec'd harness, or one forked by the fork server."""
+    try:
+        return _comm(pid) == CHILD_NAME or "trainbridge.sandbox.harness" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
+def kill_harness_groups(pids) -> None:
+    """Sandbox children run in sessions of their own and outlive a killed parent: SIGKILL the process
+    group of each of `pids` that is still a sandbox child (a pid since reused by another process is left)."""
+    for pid in pids:
+        if is_harness(pid):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
 def harness_children(pid: int) -> dict[int, str]:
     """Sandbox children of `pid` (`python -m trainbridge.sandbox.harness --channel R,W` for timed runs,
-    `... request.json MODE` for analysis): {pid: "timed" or the mode}."""
+    `... request.json MODE` for analysis, and children forked by the fork server, named `CHILD_NAME`,
+    which are handed to the gate and run timed rounds): {pid: "timed" or the mode}."""
     found: dict[int, str] = {}
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
@@ -104,7 +133,9 @@ def harness_children(pid: int) -> dict[int, str]:
                 argv = [a.decode(errors="replace") for a in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0") if a]
             except OSError:
                 continue
-            if "trainbridge.sandbox.harness" in argv:
+            if CHILD_NAME == _comm(child):  # forked by the fork server: the server's cmdline, the child's own name
+                found[child] = "timed"
+            elif "trainbridge.sandbox.harness" in argv:
                 # timed children (baseline measurement, every gate child) are driven over --channel and carry no
                 # mode in argv; analysis children are labelled with theirs
                 found[child] = "timed" if "--channel" in argv else (argv[-1] if not argv[-1].endswith(".json") else "?")

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from trainbridge.tests.loop_checks import child_env, harness_children
+from trainbridge.tests.loop_checks import child_env, harness_children, kill_harness_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,12 +125,7 @@ class LoopProcess:
 
     def reap(self) -> None:
         """Sandbox children run in sessions of their own and outlive a killed parent: end the ones we saw."""
-        for pid in self.children:
-            try:
-                if "trainbridge.sandbox.harness" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                    os.killpg(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_harness_groups(self.children)
 
 
 def outcome_view(verdicts: list[dict]) -> list[tuple]:

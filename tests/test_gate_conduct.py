@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from trainbridge.agents.profiler import conduct
-from trainbridge.agents.profiler.drift import TimedDrift, timed_drift, widen_for_drift
+from trainbridge.agents.profiler.drift import TimedDrift, not_repeating, timed_drift, widen_for_drift
 from trainbridge.agents.profiler.integrity import FindingKind, check_timed_deltas
 from trainbridge.agents.profiler.numerics import NumericsResult, NumericsTolerance
 from trainbridge.sandbox import proc_watch
@@ -110,6 +110,19 @@ def test_drift_widens_tolerances_to_ten_times_the_baselines_own_and_never_tighte
     chaotic = widen_for_drift(base, probe, TimedDrift(loss_max_rel_diff=0.02, delta_cosine_min=0.97, delta_norm_max_rel_diff=0.05))
     assert chaotic.timed_loss_rtol == pytest.approx(0.2) and chaotic.timed_delta_cosine_min == pytest.approx(0.7)
     assert chaotic.timed_delta_norm_rtol == pytest.approx(0.5)
+
+
+def test_a_probe_drift_beyond_rounding_says_the_baseline_does_not_repeat_itself():
+    def probe(base: list[float], other: list[float]) -> NumericsResult:
+        rel = max(abs(b - o) / abs(b) for b, o in zip(base, other))
+        return NumericsResult(passed=True, message="", seed=1, batch_indices=[0, 1, 2], tolerance=NumericsTolerance(),
+                              baseline_losses=base, candidate_losses=other, baseline_grad_loss=base[0],
+                              candidate_grad_loss=other[0], loss_max_rel_diff=rel)
+
+    assert not_repeating(probe([1.0, 0.9, 0.8], [1.0, 0.9 * (1 + 6e-6), 0.8]), "threads=1 vs 2") is None  # resnet's drift
+    assert not_repeating(probe([1.0, 0.9, 0.8], [1.0, 0.9, 0.8 * 1.04]), "threads=1 vs 2") is None  # four percent: still rounding
+    other_order = not_repeating(probe([19.2, 10.9, 8.6], [7.6, 15.2, 9.2]), "threads=1 vs 2")
+    assert other_order is not None and "differ by up to 60.4% over 3 steps" in other_order and "threads=1 vs 2" in other_order
 
 
 @pytest.mark.skipif(not proc_watch.available(), reason="needs Linux /proc")

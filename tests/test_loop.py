@@ -38,6 +38,7 @@ from trainbridge.tests.loop_checks import (
     cli_argv,
     decision_view,
     harness_children,
+    kill_harness_groups,
     run_commits,
     run_outcomes,
     user_view,
@@ -130,12 +131,7 @@ class Driver:
 
     def reap_orphans(self) -> None:
         """The sandbox children run in their own sessions and outlive a killed parent: end the ones we saw."""
-        for pid in self.sandbox_children:
-            try:
-                if "trainbridge.sandbox.harness" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                    os.killpg(pid, signal.SIGKILL)
-            except (OSError, ProcessLookupError):
-                pass
+        kill_harness_groups(self.sandbox_children)
 
 
 def start_args(config: RunConfig, kill_after: tuple[str, str] | None = None) -> dict:

@@ -33,7 +33,8 @@ from trainbridge.graph.gate_jobs import GateJob
 from trainbridge.graph.ray_gates import CPU_SLOT_RESOURCE, candidate_bundle, checkout_from_bundle, task_options
 from trainbridge.graph.state import RunPaths
 from trainbridge.sandbox.scratch import sweep_stale
-from trainbridge.tests.loop_checks import LLM_ENV, assert_clean_repository, harness_children, run_commits, run_outcomes
+from trainbridge.tests.loop_checks import (LLM_ENV, assert_clean_repository, harness_children, kill_harness_groups, run_commits,
+                                          run_outcomes)
 from trainbridge.tests.loop_fixtures import GOOD_RECIPE, WRONG_RECIPE, git, loop_config, make_loop_repo
 from trainbridge.tests.team_support import outcome_view, postgres_bin, postgres_server
 
@@ -110,12 +111,7 @@ class GateWatcher(threading.Thread):
     def reap(self):
         self.stop.set()
         self.join(timeout=5)
-        for pid in self.harness:
-            try:
-                if "trainbridge.sandbox.harness" in " ".join(_argv(pid)):
-                    os.killpg(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_harness_groups(self.harness)
 
 
 def _processes():

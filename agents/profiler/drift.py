@@ -28,6 +28,7 @@ from trainbridge.agents.profiler.numerics import NumericsResult, NumericsToleran
 
 MARGIN = 10.0
 NOISE_COSINE = 0.5  # a parameter whose change the baseline itself reproduces with a lower cosine is rounding noise
+NOT_ROUNDING = 0.05  # a probe loss drift above this is no rounding (the bundled examples drift by 0 to 6e-6 over 3 steps)
 
 
 class TimedDrift(BaseModel):
@@ -98,6 +99,20 @@ def timed_drift(base_losses: list[float], other_losses: list[float], base_deltas
         cosine = min(cosine, own)
         norm = max(norm, abs(o_norm - b_norm) / b_norm)
     return TimedDrift(loss_max_rel_diff=loss, delta_cosine_min=cosine, delta_norm_max_rel_diff=norm, noise_params=sorted(noise))
+
+
+def not_repeating(probe: NumericsResult, perturbation: str) -> str | None:
+    """Why the baseline's drift is no rounding drift, or None: on the same seed and batches, its
+    probe losses differ by more than `NOT_ROUNDING` (the data order or the initialisation comes from
+    an unseeded source). Widening the tolerances to such a drift would let any candidate pass."""
+    drift = probe.loss_max_rel_diff
+    if drift is None or not math.isfinite(drift) or drift <= NOT_ROUNDING:
+        return None
+    return (f"the baseline does not repeat itself: run twice on the gate's seed and batches ({perturbation}), its losses "
+            f"differ by up to {100 * drift:.3g}% over {len(probe.baseline_losses)} steps, where rounding moves them by far "
+            f"less than {100 * NOT_ROUNDING:g}%; something it draws is not seeded (its data order, e.g. random.Random() "
+            "without a seed, or its initialisation), so no candidate can be compared with it. Seed it, or let `trainbridge "
+            "run` check its repeatability first: the gate then judges it by what two runs still share")
 
 
 def widen_for_drift(base: NumericsTolerance, probe: NumericsResult, timed: TimedDrift, margin: float = MARGIN) -> NumericsTolerance:

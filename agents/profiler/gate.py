@@ -38,7 +38,9 @@
    steps count towards a child's warm-up (`gate_warmup`), and the baseline's drift is measured once
    per baseline program (`DRIFT_CACHE`).
 
-A failure of the *baseline* is not the candidate's fault: it raises `GateError`.
+A failure of the *baseline* is not the candidate's fault: it raises `GateError`. So does a baseline
+that does not repeat itself on the gate's seed beyond rounding (`drift.not_repeating`: widened to
+such a drift, the tolerances would pass anything).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from typing import Literal
 
 from trainbridge.agents.profiler import conduct, quiet
 from trainbridge.agents.profiler.drift import MARGIN as DRIFT_MARGIN
-from trainbridge.agents.profiler.drift import DriftCache, GateDrift, timed_drift, widen_for_drift
+from trainbridge.agents.profiler.drift import DriftCache, GateDrift, not_repeating, timed_drift, widen_for_drift
 from trainbridge.agents.profiler.integrity import Finding, check_config, check_probes, check_timed_deltas, check_timed_losses
 from trainbridge.agents.profiler.numerics import NumericsResult, NumericsTolerance, compare_numerics, load_grads
 from trainbridge.agents.profiler.probe_report import ProbeReport, ProbeReportError
@@ -395,9 +397,13 @@ def measure_drift(baseline: Workload, base: SideRun, inputs: RoundInputs, tolera
     if ref.run.failure is not None:
         raise _baseline_failed(f"reference run with {threads} thread(s)", ref.run.failure)
     probe = compare_numerics(base.report, ref.report, tolerance, baseline_grads=base.grads, candidate_grads=ref.grads)
+    perturbation = f"threads={threads} vs {baseline.config.threads}"
+    unrepeatable = not_repeating(probe, perturbation)
+    if unrepeatable is not None:
+        raise GateError(unrepeatable)
     timed = timed_drift([*base.run.losses, *base.run.cooldown_losses], [*ref.run.losses, *ref.run.cooldown_losses],
                         base.deltas or {}, ref.deltas or {})
-    return GateDrift(perturbation=f"threads={threads} vs {baseline.config.threads}", probe=probe, timed=timed, margin=DRIFT_MARGIN,
+    return GateDrift(perturbation=perturbation, probe=probe, timed=timed, margin=DRIFT_MARGIN,
                      tolerance=widen_for_drift(tolerance, probe, timed, DRIFT_MARGIN))
 
 
