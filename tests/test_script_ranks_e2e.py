@@ -37,7 +37,7 @@ def test_init_then_run_lands_a_verified_rewrite_on_an_unmodified_two_rank_torchr
     git(repo, "commit", "-q", "-m", "trainbridge.toml from trainbridge init")
     head, status = git(repo, "rev-parse", "HEAD"), git(repo, "status", "--porcelain")
 
-    done = trainbridge("run", ".", "--no-reference", "--rounds", "6", "--final-rounds", "0", "--category", "gelu",
+    done = trainbridge("run", ".", "--no-reference", "--final-rounds", "0", "--category", "gelu",
                        "--budget", "20m", "--run-id", "two-ranks", cwd=repo, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = (tmp_path / "home" / "runs" / "two-ranks" / "report" / "report.md").read_text(encoding="utf-8")
