@@ -7,8 +7,8 @@ another thread count (reductions split differently: rounding changes, the math d
 widens every tolerance to `margin` times what it sees: the probe's (`numerics.widen_tolerance`)
 and the timed steps' losses and parameter changes. A candidate is never asked to be closer to the
 baseline than the baseline is to itself; where the baseline is stable, the tolerances stay tight. A
-parameter whose change the baseline does not reproduce at all (`noise_params`) is judged only on
-whether it changes, not on its direction.
+parameter whose change the baseline does not reproduce at all, or whose gradient is a true zero
+(`noise_params`), is judged only on whether it changes, not on its direction.
 
 The drift is the baseline's alone (the candidate plays no part in it), so a gate whose baseline is
 the same program as an earlier gate's, file for file and setting for setting, reuses that gate's
@@ -28,6 +28,7 @@ from trainbridge.agents.profiler.numerics import NumericsResult, NumericsToleran
 
 MARGIN = 10.0
 NOISE_COSINE = 0.5  # a parameter whose change the baseline itself reproduces with a lower cosine is rounding noise
+ZERO_GRADIENT = 1e-4  # a gradient whose largest entry is below this share of the model's largest is rounding noise
 NOT_ROUNDING = 0.05  # a probe loss drift above this is no rounding (the bundled examples drift by 0 to 6e-6 over 3 steps)
 
 
@@ -79,7 +80,23 @@ class DriftCache:
             self.entries.popitem(last=False)
 
 
-def timed_drift(base_losses: list[float], other_losses: list[float], base_deltas: dict, other_deltas: dict) -> TimedDrift:
+def zero_gradient_params(grads: dict | None) -> frozenset[str]:
+    """Parameters whose first-step gradient is rounding noise around a true zero: its largest entry
+    is below `ZERO_GRADIENT` times the largest entry of any parameter's (an attention key's bias:
+    softmax ignores what it adds). One run shows it, however its noise happens to fall."""
+    sizes = {name: float(g.detach().abs().max()) for name, g in (grads or {}).items() if hasattr(g, "numel") and g.numel()}
+    largest = max(sizes.values(), default=0.0)
+    if not math.isfinite(largest) or largest == 0.0:
+        return frozenset()
+    return frozenset(name for name, size in sizes.items() if size < ZERO_GRADIENT * largest)
+
+
+def timed_drift(base_losses: list[float], other_losses: list[float], base_deltas: dict, other_deltas: dict,
+                zero_gradients: frozenset[str] = frozenset()) -> TimedDrift:
+    """How far the baseline's timed steps move from themselves under another thread count. A parameter
+    goes to `noise_params` when the two runs' changes of it point apart (cosine < `NOISE_COSINE`), or
+    when its gradient is a true zero (`zero_gradients`): then whether its noise happened to agree this
+    once says nothing about the next run."""
     pairs = [(b, o) for b, o in zip(base_losses, other_losses) if math.isfinite(b) and math.isfinite(o)]
     loss = max((rel_diff(b, o) for b, o in pairs), default=0.0)
     cosine, norm = 1.0, 0.0
@@ -93,7 +110,7 @@ def timed_drift(base_losses: list[float], other_losses: list[float], base_deltas
         if b_norm == 0.0 or o_norm == 0.0:
             continue
         own = float(b @ o) / (b_norm * o_norm)
-        if own < NOISE_COSINE:
+        if own < NOISE_COSINE or name in zero_gradients:
             noise.append(name)  # the baseline does not reproduce its own change here: rounding noise, no direction to judge
             continue
         cosine = min(cosine, own)

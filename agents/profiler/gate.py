@@ -58,7 +58,8 @@ from typing import Literal
 
 from trainbridge.agents.profiler import conduct, quiet
 from trainbridge.agents.profiler.drift import MARGIN as DRIFT_MARGIN
-from trainbridge.agents.profiler.drift import DriftCache, GateDrift, not_repeating, timed_drift, widen_for_drift
+from trainbridge.agents.profiler.drift import (DriftCache, GateDrift, not_repeating, timed_drift, widen_for_drift,
+                                               zero_gradient_params)
 from trainbridge.agents.profiler.integrity import Finding, check_config, check_probes, check_timed_deltas, check_timed_losses
 from trainbridge.agents.profiler.numerics import NumericsResult, NumericsTolerance, compare_numerics, load_grads
 from trainbridge.agents.profiler.probe_report import ProbeReport, ProbeReportError
@@ -402,7 +403,7 @@ def measure_drift(baseline: Workload, base: SideRun, inputs: RoundInputs, tolera
     if unrepeatable is not None:
         raise GateError(unrepeatable)
     timed = timed_drift([*base.run.losses, *base.run.cooldown_losses], [*ref.run.losses, *ref.run.cooldown_losses],
-                        base.deltas or {}, ref.deltas or {})
+                        base.deltas or {}, ref.deltas or {}, zero_gradient_params(base.grads))
     return GateDrift(perturbation=perturbation, probe=probe, timed=timed, margin=DRIFT_MARGIN,
                      tolerance=widen_for_drift(tolerance, probe, timed, DRIFT_MARGIN))
 
