@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Literal
 
 from trainbridge.sandbox import proc_watch
+from trainbridge.sandbox.isolation import network_isolation
 
 SpawnKind = Literal["fork-server", "exec"]
 SPAWN_KINDS: tuple[SpawnKind, ...] = ("fork-server", "exec")
@@ -240,17 +241,21 @@ def active() -> ForkPool | None:
 
 
 @contextlib.contextmanager
-def serving(kind: SpawnKind, *, prefix: tuple[str, ...] = (), work_dir: Path | None = None,
+def serving(kind: SpawnKind, *, prefix: tuple[str, ...] | None = None, work_dir: Path | None = None,
             keep_warm: bool = False) -> Iterator[ForkPool | None]:
     """Entry-mode children started inside this block are forked from a server (kind "fork-server")
-    or exec'd as before ("exec": yields None). The servers are stopped when the block ends, unless
-    `keep_warm`: then the pool stays for the next `serving(..., keep_warm=True)` of this process
-    (see the module doc)."""
+    or exec'd as before ("exec": yields None). The servers start under `prefix` (default: the
+    sandbox's network isolation, `isolation.network_isolation`, as an exec'd child's: a namespace is
+    inherited across fork, so every forked child is in the server's). The servers are stopped when
+    the block ends, unless `keep_warm`: then the pool stays for the next `serving(..., keep_warm=True)`
+    of this process (see the module doc)."""
     if kind not in SPAWN_KINDS:
         raise ValueError(f"spawn kind {kind!r}: choose one of {', '.join(SPAWN_KINDS)}")
     if kind == "exec":
         yield None
         return
+    if prefix is None:
+        prefix = network_isolation().prefix
     proc_watch.become_subreaper()  # forked children are handed to this process; without it they are exec'd
     if keep_warm and _SCOPES:
         pool = _WARM.get(tuple(prefix))

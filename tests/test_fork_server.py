@@ -170,6 +170,29 @@ def test_a_forked_child_sees_what_an_exec_child_sees(tmp_path, token):
     assert [fd for fd in forked["fds"] if fd > 2] == [fd for fd in exec_["fds"] if fd > 2]
 
 
+def test_a_forked_child_is_in_the_sandboxs_network_namespace_as_an_exec_child_is(tmp_path):
+    """The server starts under the network isolation prefix, so every child it forks is in its empty
+    namespace (only its own loopback), and the result says so as an exec'd child's does."""
+    import socket
+
+    from trainbridge.sandbox.isolation import network_isolation
+
+    isolation = network_isolation()
+    seen = {}
+    for kind in ("exec", "fork-server"):
+        probe = tmp_path / f"{kind}.json"
+        with fork_server.serving(kind) as pool:
+            result = run_workload(load_workload(Path(__file__).parent / "fixtures" / "workloads" / "env_probe"),
+                                  extra_env={"TB_TEST_PROBE_OUT": str(probe)})
+            assert result.ok, result.failure
+            if pool is not None:
+                assert pool.forked == 1 and not pool.fallbacks and pool.prefix == isolation.prefix
+        assert result.network_isolated == isolation.isolated
+        seen[kind] = json.loads(probe.read_text())["interfaces"]
+    expected = ["lo"] if isolation.isolated else sorted(name for _, name in socket.if_nameindex())
+    assert seen == {"exec": expected, "fork-server": expected}
+
+
 def test_a_leak_planted_by_one_arm_never_reaches_the_other(tmp_path, token):
     out = tmp_path / "observed.json"
     observer = load_workload(_workload(tmp_path / "observer", _fill(OBSERVER, out=out, token=token)))
