@@ -3,7 +3,8 @@
 It imports torch and the harness once (`PRELOAD`, and nothing that runs a torch operation: OpenMP's
 thread pool must not exist before a fork), says "ready", then answers one request at a time from
 the gate (sandbox/fork_server.py): "fork" with the child's working directory, environment, memory
-cap, and four descriptors passed over the socket (the channel's two ends, stdout, stderr). For each
+cap, the program it runs (`PROGRAMS`: the harness, or the region lab's child with its request
+file), and four descriptors passed over the socket (the channel's two ends, stdout, stderr). For each
 it forks an intermediate process that forks the child and exits, so the child is handed to the
 gate (a subreaper), and answers with the child's pid.
 
@@ -35,7 +36,10 @@ import traceback
 
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "trainbridge.sandbox.harness", "trainbridge.sandbox.step_server", "trainbridge.sandbox.channel",
            "trainbridge.sandbox.guard", "trainbridge.sandbox.numerics_probe", "trainbridge.sandbox.backends",
-           "trainbridge.sandbox.script_hooks", "trainbridge.sandbox.script_overrides")
+           "trainbridge.sandbox.script_hooks", "trainbridge.sandbox.script_overrides", "trainbridge.sandbox.region_bench")
+# what a forked child may run, by the name a request gives: the harness (on its channel), or the region lab's child
+# (on a request file, agents/profiler/region_lab.py); a request naming anything else is refused
+PROGRAMS = {"harness": "trainbridge.sandbox.harness", "region_bench": "trainbridge.sandbox.region_bench"}
 _CLONE_NEWNS = 0x00020000
 _MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
 _FDS = ("command", "reply", "stdout", "stderr")
@@ -105,9 +109,11 @@ def become_child(request: dict, fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in request["env"].items()})
         sys.path[0] = os.getcwd()  # what `python -m` puts first: the working directory
-        harness = sys.modules["trainbridge.sandbox.harness"]
-        sys.argv = [harness.__file__, "--channel", f"{read_fd},{write_fd}"]
-        code = harness.main(["--channel", f"{read_fd},{write_fd}"])
+        program = sys.modules[PROGRAMS[request.get("program", "harness")]]
+        args = (["--channel", f"{read_fd},{write_fd}"] if program.__name__ == PROGRAMS["harness"]
+                else [str(a) for a in request.get("args", [])])
+        sys.argv = [program.__file__, *args]
+        code = program.main(args)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - the child's own crash, reported on its stderr as an exec'd child's would be
@@ -168,6 +174,8 @@ def serve(sock: socket.socket) -> None:
             request = json.loads(data)
             if request.get("op") != "fork" or len(fds) != len(_FDS):
                 raise ValueError(f"expected a fork request with {len(_FDS)} descriptors, got {request.get('op')!r} with {len(fds)}")
+            if request.get("program", "harness") not in PROGRAMS:
+                raise ValueError(f"no program {request.get('program')!r} to run: choose one of {', '.join(PROGRAMS)}")
             reply = {"op": "forked", "pid": fork_one(request, fds)}
         except Exception as exc:  # noqa: BLE001 - answered to the gate, which falls back to exec
             reply = {"op": "error", "message": f"{type(exc).__name__}: {exc}"}

@@ -131,11 +131,13 @@ class ForkServer:
         return server
 
     def fork(self, *, cwd: Path, env: dict[str, str], fds: dict[str, int], channel: tuple[int, int],
-             memory_limit_mb: int | None) -> ForkedChild:
-        """A fresh child running the harness on `channel` (its two descriptor numbers); `fds`: the
-        parent's descriptors for "command", "reply", "stdout", "stderr"."""
+             memory_limit_mb: int | None, program: str = "harness", args: list[str] | None = None) -> ForkedChild:
+        """A fresh child running the harness on `channel` (its two descriptor numbers), or another of
+        the server's `fork_child.PROGRAMS` on `args`; `fds`: the parent's descriptors for "command",
+        "reply", "stdout", "stderr"."""
         names = ("command", "reply", "stdout", "stderr")
-        request = {"op": "fork", "cwd": str(cwd), "env": env, "channel": list(channel), "memory_limit_mb": memory_limit_mb}
+        request = {"op": "fork", "cwd": str(cwd), "env": env, "channel": list(channel), "memory_limit_mb": memory_limit_mb,
+                   "program": program, "args": list(args or [])}
         try:
             socket.send_fds(self.sock, [json.dumps(request).encode()], [fds[n] for n in names])
         except OSError as exc:
@@ -193,7 +195,7 @@ class ForkPool:
     max_servers: int | None = None  # the least recently used server is stopped beyond this (None: no limit)
 
     def fork(self, *, cwd: Path, env: dict[str, str], fds: dict[str, int], channel: tuple[int, int],
-             memory_limit_mb: int | None) -> ForkedChild | None:
+             memory_limit_mb: int | None, program: str = "harness", args: list[str] | None = None) -> ForkedChild | None:
         """A forked child, or None (the reason kept in `fallbacks`): the caller then starts it by exec."""
         key = tuple(sorted((k, v) for k, v in env.items() if k != _HASH_SEED))
         try:
@@ -206,7 +208,8 @@ class ForkPool:
                     self.servers.pop(next(iter(self.servers))).close()  # the least recently used
                 server = ForkServer.start(self.prefix, env, self.scratch)
             self.servers[key] = server  # the most recently used last
-            child = server.fork(cwd=cwd, env=env, fds=fds, channel=channel, memory_limit_mb=memory_limit_mb)
+            child = server.fork(cwd=cwd, env=env, fds=fds, channel=channel, memory_limit_mb=memory_limit_mb, program=program,
+                                args=args)
         except ForkServerError as exc:
             self.fallbacks.append(str(exc)[:500])
             dead = self.servers.pop(key, None)

@@ -275,25 +275,46 @@ def _driven_result(base: RunResult, outcome: DriveOutcome, timeout_s: float, ste
 
 
 class _ChildOutcome:
-    def __init__(self, returncode: int | None, timed_out: bool, stdout: str, stderr: str):
-        self.returncode, self.timed_out, self.stdout, self.stderr = returncode, timed_out, stdout, stderr
+    def __init__(self, returncode: int | None, timed_out: bool, stdout: str, stderr: str, spawn: str = "exec"):
+        self.returncode, self.timed_out, self.stdout, self.stderr, self.spawn = returncode, timed_out, stdout, stderr, spawn
 
 
 def run_confined(argv: list[str], *, cwd: Path, env: dict[str, str], memory_limit_mb: int, timeout_s: float,
-                 tmp_dir: Path) -> _ChildOutcome:
+                 tmp_dir: Path, forked: tuple[str, list[str]] | None = None) -> _ChildOutcome:
     """Run one request-file child of the sandbox's own modules (e.g. sandbox/region_bench.py) the way analysis
     modes run: own process group killed as a whole at `timeout_s`, address-space cap, the given (scrubbed)
-    environment; stdout/stderr in `tmp_dir`. The outcome has returncode, timed_out, stdout, stderr."""
+    environment; stdout/stderr in `tmp_dir`. The outcome has returncode, timed_out, stdout, stderr, and how the
+    child started (`spawn`). With `forked` (a `fork_child.PROGRAMS` name and its arguments) inside a fork pool
+    (`fork_server.serving`), the child is forked from the pool's server, with the same confinement; where the
+    pool cannot fork it, it is exec'd from `argv`."""
     return _run_child(argv, cwd=cwd, env=env, memory_limit_mb=memory_limit_mb, timeout_s=timeout_s, tmp_dir=tmp_dir,
-                      on_progress=None)
+                      on_progress=None, forked=forked)
 
 
-def _run_child(argv, *, cwd, env, memory_limit_mb, timeout_s, tmp_dir: Path, on_progress) -> _ChildOutcome:
+def _fork_confined(forked: tuple[str, list[str]] | None, *, cwd: Path, env: dict[str, str], memory_limit_mb: int,
+                   stdout, stderr) -> fork_server.ForkedChild | None:
+    pool = fork_server.active()
+    if forked is None or pool is None:
+        return None
+    null_r, null_w = os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY)  # no channel: a request file
+    try:
+        return pool.fork(cwd=cwd, env=env, channel=(1000, 1001), memory_limit_mb=memory_limit_mb, program=forked[0],
+                         args=forked[1], fds={"command": null_r, "reply": null_w, "stdout": stdout.fileno(),
+                                              "stderr": stderr.fileno()})
+    finally:
+        os.close(null_r)
+        os.close(null_w)
+
+
+def _run_child(argv, *, cwd, env, memory_limit_mb, timeout_s, tmp_dir: Path, on_progress,
+               forked: tuple[str, list[str]] | None = None) -> _ChildOutcome:
     stdout_path, stderr_path = tmp_dir / "stdout.txt", tmp_dir / "stderr.txt"
     progress_path = tmp_dir / "progress.jsonl"
     with stdout_path.open("wb") as stdout, stderr_path.open("wb") as stderr:
+        child = _fork_confined(forked, cwd=cwd, env=env, memory_limit_mb=memory_limit_mb, stdout=stdout, stderr=stderr)
+        spawn = "fork-server" if child is not None else "exec"
         try:
-            child = subprocess.Popen(
+            child = child or subprocess.Popen(
                 argv,
                 cwd=cwd,
                 env=env,
@@ -332,6 +353,7 @@ def _run_child(argv, *, cwd, env, memory_limit_mb, timeout_s, tmp_dir: Path, on_
         timed_out,
         stdout_path.read_text(encoding="utf-8", errors="replace"),
         stderr_path.read_text(encoding="utf-8", errors="replace"),
+        spawn,
     )
 
 

@@ -169,9 +169,12 @@ def test_a_changed_signature_is_unisolated(tmp_path):
     assert timing.verdict == "unisolated" and "signature differs" in timing.message
 
 
-def test_the_region_child_is_sandboxed(tmp_path, monkeypatch):
+@pytest.mark.parametrize("spawn", ["fork-server", "exec"])
+def test_the_region_child_is_sandboxed(tmp_path, monkeypatch, spawn):
     """A candidate region that reaches for the network, a secret and its own worktree: the network is
-    not there (where the host allows isolation), the secret is not, and the write is caught as gate-gaming."""
+    not there (where the host allows isolation), the secret is not, and the write is caught as gate-gaming;
+    alike for a child forked from the warm server (the CPU's default) and an exec'd one."""
+    monkeypatch.setenv("TRAINBRIDGE_GATE_SPAWN", spawn)
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(4)
@@ -210,15 +213,17 @@ def test_the_region_child_is_sandboxed(tmp_path, monkeypatch):
     assert "must-not-leak" not in leak and "'secret': None" in leak  # the scrubbed environment
     if network_isolation().isolated:
         assert accepted == [] and "reached" not in leak
-    assert timing.written == ["candidate/leak.txt"] and timing.verdict == "unisolated"
+    assert timing.written == ["candidate/leak.txt"] and timing.verdict == "unisolated" and timing.spawn == spawn
     verdict = region_verdict(timing, backend="cpu")
     assert verdict is not None and verdict.reason == VerdictReason.tampered_harness and not verdict.accepted
 
 
-def test_a_hanging_region_is_killed_at_the_timeout(tmp_path):
+@pytest.mark.parametrize("spawn", ["fork-server", "exec"])
+def test_a_hanging_region_is_killed_at_the_timeout(tmp_path, monkeypatch, spawn):
+    monkeypatch.setenv("TRAINBRIDGE_GATE_SPAWN", spawn)
     baseline, candidate = _pair(tmp_path, "def mix(x, weight):\n", "def mix(x, weight):\n    import time\n    time.sleep(600)\n")
     timing = time_region(baseline, candidate, [MIX], timeout_s=15, **FAST)
-    assert timing.verdict == "unisolated" and "killed" in timing.message and timing.wall_s < 40
+    assert timing.verdict == "unisolated" and "killed" in timing.message and timing.wall_s < 40 and timing.spawn == spawn
 
 
 def test_a_function_region_taking_the_model_gets_the_candidates_twin(tmp_path):

@@ -2,7 +2,8 @@
 
 `time_region` starts one sandboxed child (sandbox/region_bench.py) confined like any gate child:
 scrubbed environment, address-space cap, own process group killed on timeout, no network where the
-host allows. The child captures the region's real inputs from one baseline step and times baseline
+host allows. On the CPU it is forked from a warm fork server, as gate children are (torch and the
+lab imported once per run, not once per candidate; sandbox/fork_server.py), else exec'd. The child captures the region's real inputs from one baseline step and times baseline
 region against candidate region, forward + backward, interleaved, for a few hundred repetitions.
 
 The lab only ranks and skips: `clearly_slower` is the one rule that lets a candidate skip the gate,
@@ -26,6 +27,7 @@ from trainbridge.agents.profiler.conduct import changed_files, snapshot_tree
 from trainbridge.agents.profiler.integrity import Finding, FindingKind
 from trainbridge.agents.profiler.verdict import Verdict, VerdictReason
 from trainbridge.records import SourceSpan
+from trainbridge.sandbox import fork_server
 from trainbridge.sandbox.backends import Backend
 from trainbridge.sandbox.isolation import default_memory_limit_mb, network_isolation, scrubbed_env
 from trainbridge.sandbox.runner import run_confined
@@ -67,6 +69,8 @@ class RegionTiming(BaseModel):
                                "(baseline/..., candidate/...): gate-gaming, as in a gate child")
     wall_s: float = 0.0
     network_isolated: bool = False
+    spawn: str = Field(default="exec", description="how the child started: forked from a warm server (fork-server, on the "
+                       "CPU, as gate children are) or exec'd; 'not started' when nothing needed timing")
 
 
 def lab_enabled(environ: dict[str, str] | None = None) -> bool:
@@ -101,9 +105,11 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
     candidate = candidate if isinstance(candidate, Workload) else load_workload(Path(candidate))
     isolation = network_isolation()
 
+    spawned = {"spawn": "not started"}
+
     def unisolated(message: str) -> RegionTiming:
         return RegionTiming(verdict="unisolated", message=message, wall_s=time.monotonic() - started,
-                            network_isolated=isolation.isolated)
+                            network_isolated=isolation.isolated, **spawned)
 
     if not sites:
         return unisolated("the candidate names no site to time")
@@ -122,8 +128,10 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
                    "baseline": _side(baseline), "candidate": _side(candidate)}
         (tmp_dir / "request.json").write_text(json.dumps(request), encoding="utf-8")
         argv = [*isolation.prefix, sys.executable, "-m", "trainbridge.sandbox.region_bench", str(tmp_dir / "request.json")]
-        outcome = run_confined(argv, cwd=candidate.root, env=env, memory_limit_mb=memory_limit_mb, timeout_s=timeout_s,
-                               tmp_dir=tmp_dir)
+        with fork_server.serving(fork_server.default_spawn(target.name), prefix=isolation.prefix, keep_warm=True):
+            outcome = run_confined(argv, cwd=candidate.root, env=env, memory_limit_mb=memory_limit_mb, timeout_s=timeout_s,
+                                   tmp_dir=tmp_dir, forked=("region_bench", [str(tmp_dir / "request.json")]))
+        spawned = {"spawn": outcome.spawn}
         result_path = tmp_dir / "result.json"
         written = [f"{side}/{path}" for side, w in (("baseline", baseline), ("candidate", candidate))
                    for path in changed_files(before[side], snapshot_tree(w.root))]
@@ -144,7 +152,7 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
     if "failure" in payload:
         return unisolated(f"the region child failed ({payload['failure']['kind']}): {payload['failure']['message'][:500]}")
     try:
-        return _timing(payload, threads, started, isolation.isolated)
+        return _timing(payload, threads, started, isolation.isolated).model_copy(update=spawned)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a malformed result never rejects: the gate decides
         return unisolated(f"the region child's result is malformed ({type(exc).__name__}: {exc})")
 
