@@ -11,6 +11,9 @@ planted slowdown (every step spins for a fixed fraction of its own real work tim
 - +2%, +5%, +10% slowdown as the candidate: the gate should call it slower (target at 5%: >= 80%).
 - -5% (the +5% variant as the baseline, the original as the candidate, a ratio of 1/1.05): the
   gate should accept a real gain of that size.
+- An exact 5% slowdown and gain on the machine's own noise: the A/A rounds with the candidate
+  side's steps scaled by 1.05 and 1/1.05 (`decide_shifted`), for when a planted variant does not
+  read its nominal size.
 
 Design: every round runs fresh sandbox children exactly as the gate's are run (`gate.run_pair` or
 `gate.run_side`: probe, then parent-timed steps), all on the round's seed and batch indices. Under
@@ -253,6 +256,26 @@ def decide_resampled(rounds: list[dict], args, slowdowns: list[float], gates: in
     return decisions
 
 
+SHIFTS = ((1.05, "A/A, candidate x 1.05 (a true 5% slowdown)"), (1 / 1.05, "A/A, candidate / 1.05 (a true 5% gain)"))
+
+
+def decide_shifted(rounds: list[dict], args, gates: int, seed: int = 0) -> dict[str, list[dict]]:
+    """Power at a known effect on this machine's own noise: the recorded A/A rounds (the baseline beside
+    itself), every candidate-side step multiplied by a factor (`SHIFTS`), `gates` resampled gate runs
+    each, decided as `run_gate` decides. A shift model: the effect is exact, the noise is measured
+    (unlike the planted variants, whose spin is a second program with noise of its own)."""
+    decisions: dict[str, list[dict]] = {}
+    for factor, label in SHIFTS:
+        rng = random.Random(seed)
+        for g in range(gates):
+            window = []
+            for _ in range(args.max_rounds):
+                base, cand, cores = round_sides(rounds[rng.randrange(len(rounds))], "base", "base_again")
+                window.append((base, [t * factor for t in cand], cores))
+            decisions.setdefault(label, []).append({"start": g, "truth": factor, **decide_window(window, args)})
+    return decisions
+
+
 def summarise(decisions: dict[str, list[dict]]) -> list[dict]:
     rows = []
     for label, items in decisions.items():
@@ -381,6 +404,7 @@ def report(record: dict, args, slowdowns: list[float]) -> None:
     record["summary_sliding"] = summarise(decide_blocks(rounds, args.max_rounds, args, slowdowns, sliding=True))
     record["summary_resampled"] = summarise(decide_resampled(rounds, args, slowdowns, args.resampled))
     record["summary_pooled"] = summarise(decide_blocks(rounds, len(rounds), args, slowdowns, sliding=False, sequential=False))
+    record["summary_shifted"] = summarise(decide_shifted(rounds, args, args.resampled))
     steps = record["config"]["steps_per_round"]
     gate = (f"looks at {', '.join(map(str, schedule))} rounds, one-sided levels {', '.join(f'{x:.4g}' for x in dict.fromkeys(levels))} "
             f"(first look, then each later one), futility below {FUTILITY_POWER:g}")
@@ -393,6 +417,9 @@ def report(record: dict, args, slowdowns: list[float]) -> None:
                 "recorded (not independent)"))
     print()
     print(table(record["summary_pooled"], f"all {len(rounds)} rounds pooled as one decision"))
+    print()
+    print(table(record["summary_shifted"], f"power at an exact effect: {args.resampled} resampled gate runs on the recorded A/A "
+                "rounds, the candidate side's steps scaled (not independent)"))
     machine = record["machine"]
     print(f"\nload average start {machine['loadavg_start']}, end {machine.get('loadavg_end')}; "
           f"{record.get('wall_s', 0):.0f} s of measuring")

@@ -364,6 +364,22 @@ def test_paired_calibration_rounds_pair_each_condition_within_its_own_pair_and_l
     assert gain["ratio"] == pytest.approx(1 / 1.05) and gain["outcome"] == "accepted"
 
 
+def test_shifted_calibration_scales_only_the_candidate_side_of_the_recorded_aa_rounds():
+    from types import SimpleNamespace
+
+    calibration = bench("gate_calibration")
+    # A/A rounds whose two sides differ by a little noise either way: as recorded, no direction; scaled by the
+    # exact factors, the slowdown is called slower and the gain accepted, each on the same resampled rounds
+    noise = [1.0 + 0.004 * ((i * 7) % 5 - 2) for i in range(30)]
+    rounds = [{"samples": {"base": [0.1], "base_again": [0.1 * n]}} for n in noise]
+    args = SimpleNamespace(min_gain=0.01, confidence=0.95, rounds=10, max_rounds=20)
+    decided = calibration.decide_shifted(rounds, args, gates=20)
+    slow, gain = (decided[label] for _, label in calibration.SHIFTS)
+    assert {d["outcome"] for d in slow} == {"slower"} and {d["outcome"] for d in gain} == {"accepted"}
+    assert all(d["ratio"] == pytest.approx(1.05, rel=0.02) for d in slow) and all(d["truth"] == 1.05 for d in slow)
+    assert rounds[0]["samples"]["base_again"] == [0.1 * noise[0]]  # the recorded samples are left as they were
+
+
 @pytest.mark.slow
 def test_a_slowdown_is_planted_in_any_entry_workload(tmp_path):
     """Workloads without a SLOWDOWN knob get a wrapper around their entry; the copy is really slower."""
