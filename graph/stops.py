@@ -34,16 +34,27 @@ class Stop:
 NO_INTENTS = Stop(StopReason.no_intents, "no intents left")
 
 
+def final_comparison_s(state: dict[str, Any], config, typical_gate_s: float) -> float:
+    """What the closing comparison will take: a fresh child per arm and round, each as long as the
+    run's own baseline measurement (the prepare node's, one such child), plus the compiled arm's
+    compile once (the analyst's torch.compile reference took that long); never less than the same
+    children counted against a typical gate's."""
+    arms = 3 if config.compile_reference else 2
+    times = state.get("phase_times") or []
+    child = max((t.get("parts", {}).get("baseline", 0.0) for t in times if t["node"] == "prepare"), default=0.0)
+    compile_s = max((t.get("parts", {}).get("reference", 0.0) for t in times if t["node"] == "analyst"), default=0.0)
+    measured = arms * config.final_rounds * child + (compile_s if config.compile_reference and config.final_rounds else 0.0)
+    return max(measured, typical_gate_s * (arms * config.final_rounds) / (2 * config.gate_rounds))
+
+
 def budget_allows_another(state: dict[str, Any], config) -> bool:
     """Time left for one more candidate as long as the typical one so far (the median gate time), and
-    then for the final comparison (its children counted against a gate's), so a run ends near its
-    budget rather than one gate past it."""
+    then for the final comparison (`final_comparison_s`), so a run ends near its budget rather than
+    one gate past it."""
     elapsed = time.time() - (state.get("started_at") or time.time())
     gates = sorted(t["wall_s"] for t in state.get("phase_times") or [] if t["node"] == "profiler")
     typical = gates[len(gates) // 2] if gates else 0.0
-    arms = 3 if config.compile_reference else 2
-    final = typical * (arms * config.final_rounds) / (2 * config.gate_rounds)
-    return elapsed + typical + final <= config.budget_s
+    return elapsed + typical + final_comparison_s(state, config, typical) <= config.budget_s
 
 
 def limit_reached(state: dict[str, Any], config) -> Stop | None:

@@ -32,3 +32,22 @@ def test_the_report_states_the_limit_or_what_retrieval_said():
     assert stop_reason({"started_at": time.time(), "candidates_tried": 3}, config) == "candidate limit (3) reached"
     assert stop_reason({"started_at": time.time()}, config) == NO_INTENTS.message == "no intents left"
     assert stop_reason({"stop_reason": "no intents left", "candidates_tried": 3}, config) == "no intents left"
+
+
+def test_the_closing_comparison_is_reserved_from_the_runs_own_children_and_compile():
+    """The demo's run of 2026-12-02: a 3.8 s baseline child and a 64.8 s compile reference; six rounds of three
+    arms took 167 s after the loop, which the old estimate (a typical gate's children) put at 45 s."""
+    from trainbridge.graph.stops import final_comparison_s
+
+    config = _config(final_rounds=6, gate_rounds=8, compile_reference=True)
+    times = [{"node": "prepare", "wall_s": 3.9, "parts": {"baseline": 3.8}},
+             {"node": "analyst", "wall_s": 70.9, "parts": {"reference": 64.8}}]
+    assert final_comparison_s({"phase_times": times}, config, typical_gate_s=40.0) == 3 * 6 * 3.8 + 64.8
+    assert final_comparison_s({"phase_times": times}, _config(final_rounds=6, gate_rounds=8, compile_reference=False),
+                              typical_gate_s=40.0) == 2 * 6 * 3.8
+    assert final_comparison_s({"phase_times": []}, config, typical_gate_s=40.0) == 40.0 * 18 / 16  # nothing measured yet
+    assert final_comparison_s({"phase_times": times}, _config(final_rounds=0, compile_reference=True), typical_gate_s=40.0) == 0.0
+    # 620 s into a 780 s budget with 60 s gates: the old estimate (68 s) let one more gate start, the run's own figures do not
+    state = {"started_at": time.time() - 620, "phase_times": [*times, {"node": "profiler", "wall_s": 60.0, "parts": {}}]}
+    assert limit_reached(state, _config(budget_s=780, final_rounds=6, gate_rounds=8, compile_reference=True)).reason \
+        is StopReason.budget_short

@@ -2,7 +2,8 @@
 the original, measured interleaved in one go (the gate's ratios are per commit; this is the whole).
 
 Each round runs one fresh sandbox child per arm -- original (eager), final head (eager), original
-under `torch.compile` -- in an order rotated from round to round, all with the round's seed. Ratios
+under `torch.compile` -- in an order rotated from round to round, all with the round's seed; on the
+CPU the children are forked from the run's warm server, as the gate's are (sandbox/fork_server.py). Ratios
 are medians of per-round ratios with a bootstrap interval, as the gate computes them. A failing
 compiled arm does not spoil the rest: it is reported and left out.
 """
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainbridge.agents.profiler.stats import paired_ratio_ci
+from trainbridge.sandbox import fork_server
 from trainbridge.sandbox.runner import run_workload
 from trainbridge.sandbox.workload import Workload
 
@@ -57,7 +59,24 @@ def compare_final(original: Workload, final: Workload, *, backend: str = "cpu", 
     arms = [ORIGINAL, FINAL] + ([COMPILED] if with_compile else [])
     final = Workload(root=final.root, config=original.config)  # both under the original's settings, like the gate
     result = FinalComparison(rounds=rounds, confidence=confidence, samples={arm: [] for arm in arms})
-    for index in range(rounds):
+    with fork_server.serving(fork_server.default_spawn(backend), keep_warm=True):  # fresh children, forked as the gate's are
+        _measure_rounds(result, arms, original, final, backend=backend, on_round=on_round, rng=rng)
+    for arm, per_round in result.samples.items():
+        result.median_step_s[arm] = statistics.median(statistics.median(r) for r in per_round)
+    base = result.samples[ORIGINAL]
+    result.final_vs_original = RatioCI(**_ratio(base, result.samples[FINAL], confidence))
+    if COMPILED in result.samples:
+        compiled = result.samples[COMPILED]
+        result.final_vs_compiled = RatioCI(**_ratio(compiled, result.samples[FINAL], confidence))
+        result.compiled_vs_original = RatioCI(**_ratio(base, compiled, confidence))
+    return result
+
+
+def _measure_rounds(result: FinalComparison, arms: list[str], original: Workload, final: Workload, *, backend: str,
+                    on_round: Callable[[int, int], None] | None, rng: random.Random) -> None:
+    """`result.rounds` rounds of one fresh child per arm, in an order rotated from round to round; a
+    compiled arm that fails is left out (and said), an eager one raises FinalComparisonError."""
+    for index in range(result.rounds):
         live = [arm for arm in arms if arm not in result.failures]
         shift = index % len(live)
         order = live[shift:] + live[:shift]
@@ -75,16 +94,7 @@ def compare_final(original: Workload, final: Workload, *, backend: str = "cpu", 
             result.samples[arm].append(run.step_times_s)
         result.order.append(order)
         if on_round is not None:
-            on_round(index + 1, rounds)
-    for arm, per_round in result.samples.items():
-        result.median_step_s[arm] = statistics.median(statistics.median(r) for r in per_round)
-    base = result.samples[ORIGINAL]
-    result.final_vs_original = RatioCI(**_ratio(base, result.samples[FINAL], confidence))
-    if COMPILED in result.samples:
-        compiled = result.samples[COMPILED]
-        result.final_vs_compiled = RatioCI(**_ratio(compiled, result.samples[FINAL], confidence))
-        result.compiled_vs_original = RatioCI(**_ratio(base, compiled, confidence))
-    return result
+            on_round(index + 1, result.rounds)
 
 
 def _ratio(reference, other, confidence: float) -> dict[str, float]:
