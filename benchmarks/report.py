@@ -130,6 +130,10 @@ def _speedup_notes(section: dict[str, Any]) -> list[str]:
     if every:
         lines.append(f"\nAll workloads together: median {statistics.median(every):.1f} s per judged candidate over {len(every)} candidates.")
     for w in section.get("workloads", []):
+        if w.get("rerun"):
+            rerun = w["rerun"]
+            lines.append(f"\n{w['workload']}: from a separate run, {rerun.get('why')} (`{rerun.get('command')}`, started "
+                         f"{rerun.get('date')}, trainbridge {rerun.get('trainbridge')}).")
         measured = w.get("measured") or {}
         if measured.get("failures"):
             lines.append(f"\n{w['workload']}: arms left out: " + "; ".join(f"{k} ({v})" for k, v in measured["failures"].items()))

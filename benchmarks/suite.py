@@ -81,7 +81,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--depths", type=int, nargs="+", help=f"llama depths for analysis_scaling (full: {' '.join(map(str, FULL['depths']))})")
     parser.add_argument("--out-dir", type=Path, default=HERE / "results", help="where the results go")
     parser.add_argument("--render", type=Path, metavar="JSON", help="only re-render the markdown and charts of a saved results JSON")
+    parser.add_argument("--merge", type=Path, metavar="OTHER_JSON",
+                        help="with --render: take the workloads OTHER_JSON measured (speedup and loop_cost) in place of the "
+                             "same workloads in JSON, each marked on the page with that run's command and date and --why")
+    parser.add_argument("--why", help="with --merge: why those workloads were measured again (printed on the page)")
     args = parser.parse_args(argv)
+    if args.merge is not None and (args.render is None or not args.why):
+        parser.error("--merge needs --render JSON (the page to update) and --why (said on the page)")
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in only if s not in SECTIONS]
     if unknown:
@@ -255,11 +261,33 @@ def run_analysis_scaling(settings: dict[str, Any], say: Progress) -> dict[str, A
 # --- driver ---------------------------------------------------------------------------------------
 
 
-def render(path: Path) -> list[Path]:
-    """Rewrite <stem>.md and the charts beside a results JSON (no measuring)."""
+def merge(record: dict[str, Any], other: dict[str, Any], why: str) -> list[str]:
+    """Put `other`'s speedup and loop_cost entries in place of `record`'s for the same workloads, each
+    marked with where it came from (`rerun`); the names of the workloads taken."""
+    taken: list[str] = []
+    for section in ("speedup", "loop_cost"):
+        theirs = {w["workload"]: w for w in (other.get("sections", {}).get(section) or {}).get("workloads", [])}
+        ours = (record.get("sections", {}).get(section) or {}).get("workloads", [])
+        for index, entry in enumerate(ours):
+            if entry["workload"] in theirs:
+                ours[index] = {**theirs[entry["workload"]], "rerun": {"command": other.get("command"), "date": other.get("started"),
+                                                                     "trainbridge": (other.get("versions") or {}).get("trainbridge"),
+                                                                     "why": why}}
+                taken.append(entry["workload"])
+    if not taken:
+        raise SystemExit("--merge: the other results JSON measured none of this page's workloads")
+    return sorted(set(taken))
+
+
+def render(path: Path, merge_from: Path | None = None, why: str | None = None) -> list[Path]:
+    """Rewrite <stem>.md and the charts beside a results JSON (no measuring); with `merge_from`, first
+    take that JSON's workloads in place of the same ones here (`merge`) and save the JSON."""
     import report
 
     record = json.loads(path.read_text(encoding="utf-8"))
+    if merge_from is not None:
+        merge(record, json.loads(merge_from.read_text(encoding="utf-8")), why or "")
+        write_atomic(path, json.dumps(record, indent=1, default=str) + "\n")
     stem = path.with_suffix("")
     charts = report.write_charts(record, stem)
     write_atomic(stem.with_suffix(".md"), report.render_markdown(record, [str(p) for p in charts]))
@@ -269,7 +297,7 @@ def render(path: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render:
-        print("\n".join(str(p) for p in render(args.render)))
+        print("\n".join(str(p) for p in render(args.render, args.merge, args.why)))
         return 0
     say = Progress()
     settings, sections = args.settings, args.sections

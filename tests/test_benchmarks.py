@@ -318,6 +318,27 @@ def test_suite_cli_settings_and_section_names():
 # --- gate calibration decides as the gate does -------------------------------------------------------
 
 
+def test_a_page_takes_a_rerun_workload_in_place_of_its_own_and_says_where_it_came_from():
+    suite, report = bench("suite"), bench("report")
+
+    def entries(run_id: str, *names: str) -> dict:
+        return {"speedup": {"workloads": [{"workload": n, "run": {"run_id": run_id}} for n in names]},
+                "loop_cost": {"workloads": [{"workload": n, "breakdown": {"wall_s": 1.0}, "candidates": {}} for n in names]}}
+
+    record = {"command": "python benchmarks/suite.py", "sections": entries("first", "llama_pretrain", "gpt2_pretrain")}
+    other = {"command": "python benchmarks/suite.py --workloads gpt2_pretrain", "started": "2026-12-02T00:23:15",
+             "versions": {"trainbridge": "abc"}, "sections": entries("again", "gpt2_pretrain")}
+    assert suite.merge(record, other, "after a fix") == ["gpt2_pretrain"]
+    llama, gpt2 = record["sections"]["speedup"]["workloads"]
+    assert llama == {"workload": "llama_pretrain", "run": {"run_id": "first"}}  # the others stay as measured
+    assert gpt2["run"]["run_id"] == "again" and gpt2["rerun"]["why"] == "after a fix"
+    assert record["sections"]["loop_cost"]["workloads"][1]["rerun"]["command"] == other["command"]
+    notes = "\n".join(report._speedup_notes(record["sections"]["speedup"]))
+    assert "gpt2_pretrain: from a separate run, after a fix (`python benchmarks/suite.py --workloads gpt2_pretrain`" in notes
+    with pytest.raises(SystemExit, match="none of this page's workloads"):
+        suite.merge(record, {"sections": entries("x", "clip_pretrain")}, "why")
+
+
 def test_calibration_blocks_are_decided_with_the_gates_sequential_rule():
     from types import SimpleNamespace
 

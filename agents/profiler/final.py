@@ -3,9 +3,9 @@ the original, measured interleaved in one go (the gate's ratios are per commit; 
 
 Each round runs one fresh sandbox child per arm -- original (eager), final head (eager), original
 under `torch.compile` -- in an order rotated from round to round, all with the round's seed; on the
-CPU the children are forked from the run's warm server, as the gate's are (sandbox/fork_server.py). Ratios
-are medians of per-round ratios with a bootstrap interval, as the gate computes them. A failing
-compiled arm does not spoil the rest: it is reported and left out.
+CPU the children are forked from the run's warm server, as the gate's are (sandbox/fork_server.py).
+Ratios are medians of per-round ratios with a bootstrap interval, as the gate computes them. A
+failing compiled arm does not spoil the rest: it is reported and left out.
 """
 
 from __future__ import annotations

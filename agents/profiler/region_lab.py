@@ -3,8 +3,9 @@
 `time_region` starts one sandboxed child (sandbox/region_bench.py) confined like any gate child:
 scrubbed environment, address-space cap, own process group killed on timeout, no network where the
 host allows. On the CPU it is forked from a warm fork server, as gate children are (torch and the
-lab imported once per run, not once per candidate; sandbox/fork_server.py), else exec'd. The child captures the region's real inputs from one baseline step and times baseline
-region against candidate region, forward + backward, interleaved, for a few hundred repetitions.
+lab imported once per run, not once per candidate; sandbox/fork_server.py), else exec'd. The child
+captures the region's real inputs from one baseline step and times baseline region against
+candidate region, forward + backward, interleaved, for a few hundred repetitions.
 
 The lab only ranks and skips: `clearly_slower` is the one rule that lets a candidate skip the gate,
 and it is conservative (the whole interval on the ratio above `SLOWER_BOUND`). A region that is
