@@ -129,7 +129,7 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
                    "baseline": _side(baseline), "candidate": _side(candidate)}
         (tmp_dir / "request.json").write_text(json.dumps(request), encoding="utf-8")
         argv = [*isolation.prefix, sys.executable, "-m", "trainbridge.sandbox.region_bench", str(tmp_dir / "request.json")]
-        with fork_server.serving(fork_server.default_spawn(target.name), prefix=isolation.prefix, keep_warm=True):
+        with fork_server.serving(fork_server.default_spawn(target.name), keep_warm=True):  # under the isolation prefix
             outcome = run_confined(argv, cwd=candidate.root, env=env, memory_limit_mb=memory_limit_mb, timeout_s=timeout_s,
                                    tmp_dir=tmp_dir, forked=("region_bench", [str(tmp_dir / "request.json")]))
         spawned = {"spawn": outcome.spawn}
