@@ -97,7 +97,8 @@ def batch(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             newly_done.append(intent.id)
             continue
         kept.append({"intent": lane["intent"], "queue": turn.queue})
-        jobs.append(_job(ctx, workspace, turn.candidate, index=len(jobs), head=head).model_dump(mode="json"))
+        jobs.append(_job(ctx, workspace, turn.candidate, index=len(jobs), head=head,
+                         baseline_step_s=state.get("baseline_step_s")).model_dump(mode="json"))
     update: dict[str, Any] = {"node": "batch", "lanes": kept + lanes, "batch": jobs, "batch_head": head,
                               "gate_results": None, "verdicts": refusals, "done_intents": newly_done}
     if not jobs:
@@ -107,14 +108,14 @@ def batch(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     return update
 
 
-def _job(ctx: RunContext, workspace, candidate: Candidate, *, index: int, head: str) -> GateJob:
+def _job(ctx: RunContext, workspace, candidate: Candidate, *, index: int, head: str, baseline_step_s: float | None = None) -> GateJob:
     recipe = ctx.kb.get_recipe(candidate.recipe_id) if candidate.recipe_id else None
     view = detached_view(workspace, f"gate-base-{index}", head)  # each slot reads a baseline of its own
     return GateJob(index=index, candidate=candidate.model_dump(mode="json"), baseline_root=str(view), baseline_sha=head,
                    candidate_root=candidate.worktree, candidate_sha=candidate.sha, target=ctx.config.target,
                    numerics=recipe.numerics.model_dump(mode="json", by_alias=True) if recipe is not None else None,
                    rounds=ctx.config.gate_rounds, max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain,
-                   launch=ctx.config.launch, slot=index)
+                   launch=ctx.config.launch, slot=index, baseline_step_s=baseline_step_s)
 
 
 def route_after_batch(state: RunState, runtime: Runtime[RunContext]) -> list[Send] | Literal["report"]:

@@ -42,6 +42,7 @@ class GateJob(BaseModel):
     min_gain: float
     launch: str | None = None
     slot: int = 0
+    baseline_step_s: float | None = None  # the run's baseline step time: the gate sizes its children's steps by it
 
 
 class GateJobError(RuntimeError):
@@ -58,7 +59,7 @@ def judge_job(job: GateJob, *, baseline_root: Path | None = None, candidate_root
     numerics = Numerics.model_validate(job.numerics) if job.numerics is not None else None
     verdict = judge_candidate(baseline_root or Path(job.baseline_root), candidate_root or Path(job.candidate_root),
                               target=job.target, recipe_numerics=numerics, rounds=job.rounds, max_rounds=job.max_rounds,
-                              min_gain=job.min_gain, launch=job.launch,
+                              min_gain=job.min_gain, launch=job.launch, baseline_step_s=job.baseline_step_s,
                               sites=[SourceSpan.model_validate(s) for s in job.candidate.get("sites", [])])
     return verdict.model_dump(mode="json")
 

@@ -20,6 +20,10 @@ forks from the same servers instead of paying their start again (a server holds 
 gate's children are as fresh as a later round's); it keeps at most `WARM_SERVERS` servers (the
 least recently used is stopped) and is stopped by `shutdown_warm`, at the latest when the process
 exits (and a server exits by itself when the process that holds its socket dies).
+
+A gate whose workloads call torch.compile (`prewarm_env`) gives its children's environment
+`fork_child.PREWARM_ENV`, so their server (one per environment) readies Inductor's compile stack once
+instead of every child paying 3-4 s for it before its first step.
 """
 
 from __future__ import annotations
@@ -33,13 +37,15 @@ import os
 import socket
 import subprocess
 import sys
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from trainbridge.sandbox import proc_watch
+from trainbridge.sandbox.fork_child import PREWARM_ENV
 from trainbridge.sandbox.isolation import network_isolation
 
 SpawnKind = Literal["fork-server", "exec"]
@@ -48,8 +54,35 @@ SPAWN_ENV = "TRAINBRIDGE_GATE_SPAWN"
 SERVER_MODULE = "trainbridge.sandbox.fork_child"
 READY_TIMEOUT_S = 120.0  # a server's imports (torch) on a loaded machine
 REPLY_TIMEOUT_S = 30.0
-WARM_SERVERS = 2  # servers a kept-warm pool holds at most (each is an interpreter with torch imported)
+WARM_SERVERS = 3  # servers a kept-warm pool holds at most (each is an interpreter with torch imported)
 _HASH_SEED = "PYTHONHASHSEED"  # fixed at interpreter start: a server's children share its own (both sides of a round alike)
+_COMPILES = re.compile(r"\btorch\.compile\b|\.compile\(\s*\)")  # torch.compile(...), @torch.compile, model.compile()
+_SCANNED_FILES = 5000  # a workload's Python files read at most, looking for a compile call
+_SKIPPED_DIRS = frozenset({"site-packages", "node_modules", "__pycache__", "venv"})
+
+
+def prewarm_env(roots: Iterable[Path]) -> dict[str, str]:
+    """The environment entry that has a server ready Inductor (`fork_child.prewarm_inductor`) when a
+    workload under one of `roots` calls torch.compile (some Python file of it names it), else {}. A
+    miss costs only time: each compiling child then readies Inductor itself."""
+    return {PREWARM_ENV: "inductor"} if any(_calls_compile(Path(root)) for root in roots) else {}
+
+
+def _calls_compile(root: Path) -> bool:
+    scanned = 0
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).parts[:-1]
+        if any(p.startswith(".") or p in _SKIPPED_DIRS for p in parts):
+            continue
+        scanned += 1
+        if scanned > _SCANNED_FILES:
+            return False
+        try:
+            if _COMPILES.search(path.read_text(encoding="utf-8", errors="replace")):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 class ForkServerError(RuntimeError):
@@ -104,6 +137,8 @@ class ForkServer:
     sock: socket.socket
     log_path: Path
     private_shm: bool = False  # its children get their own empty /dev/shm
+    prewarmed: str | None = None  # what it readied beyond its imports (fork_child.prewarm_inductor), if asked
+    prewarm_error: str | None = None  # why the asked prewarm failed (its children then pay for it themselves)
     children: int = 0
 
     @classmethod
@@ -128,6 +163,7 @@ class ForkServer:
             server.close()
             raise ForkServerError(f"the fork server did not get ready: {reply}")
         server.private_shm = bool(reply.get("private_shm"))
+        server.prewarmed, server.prewarm_error = reply.get("prewarmed"), reply.get("prewarm_error")
         return server
 
     def fork(self, *, cwd: Path, env: dict[str, str], fds: dict[str, int], channel: tuple[int, int],

@@ -274,3 +274,49 @@ class ForkServerProbe:
         server = fork_server.ForkServer.start(pool.prefix, env, pool.scratch)
         pool.servers[("probe",)] = server
         return server
+
+
+COMPILING = TINY.replace("def _parts(seed, step_hook=None):", '''@torch.compile(dynamic=False)
+def squash(x):
+    return torch.tanh(x) * x + 0.5 * x
+
+
+def _parts(seed, step_hook=None):''').replace("return (model(x) ** 2).mean()", "return (squash(model(x)) ** 2).mean()") + '''
+
+def build(device, seed):
+    return _parts(seed)
+'''
+
+
+def test_a_workload_that_compiles_asks_for_a_prewarmed_server_and_one_that_does_not_does_not(tmp_path):
+    compiling = _workload(tmp_path / "compiling", COMPILING)
+    nested = tmp_path / "nested"
+    (nested / "pkg").mkdir(parents=True)
+    (nested / "pkg" / "model.py").write_text("import torch\nnet = torch.nn.Linear(2, 2)\nnet.compile()\n", encoding="utf-8")
+    hidden = tmp_path / "hidden"
+    (hidden / ".venv" / "lib").mkdir(parents=True)
+    (hidden / ".venv" / "lib" / "x.py").write_text("import torch\ntorch.compile(lambda x: x)\n", encoding="utf-8")
+    eager = _workload(tmp_path / "eager", TINY + "\nimport re\nPATTERN = re.compile('x')\n\ndef build(device, seed):\n    return _parts(seed)\n")
+    assert fork_server.prewarm_env([compiling]) == {fork_server.PREWARM_ENV: "inductor"}
+    assert fork_server.prewarm_env([eager, nested]) == {fork_server.PREWARM_ENV: "inductor"}  # model.compile()
+    assert fork_server.prewarm_env([eager, hidden]) == {}  # re.compile is not torch's; a virtual environment is not the workload
+
+
+@pytest.mark.slow
+def test_a_prewarmed_server_forks_children_that_compile_as_an_exec_child_does(tmp_path):
+    """The server readies Inductor (imports, cache key, vector ISA) before any fork, without starting
+    OpenMP's pool or a thread: its children compile, run on their two threads and give an exec'd
+    child's losses bit for bit."""
+    root = _workload(tmp_path / "compiling", COMPILING)
+    env = fork_server.prewarm_env([root])
+    losses = {}
+    for kind in ("exec", "fork-server"):
+        with fork_server.serving(kind) as pool:
+            result = run_workload(load_workload(root), mode="measure", extra_env=env)
+            assert result.failure is None, result.failure
+            if pool is not None:
+                assert pool.forked == 1 and not pool.fallbacks
+                (server,) = pool.servers.values()
+                assert server.prewarm_error is None and server.prewarmed.startswith("inductor (vector ISA ")
+        losses[kind] = result.losses
+    assert losses["fork-server"] == losses["exec"]

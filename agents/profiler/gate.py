@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import statistics
@@ -79,6 +80,8 @@ Pairing = Literal["paired", "sequential"]
 PAIRINGS = ("paired", "sequential")
 SEED_LIMIT = 2**31 - 1
 DRIFT_CACHE = DriftCache()  # the baseline's drift, measured once per baseline program in this process (drift.py)
+MEASURED_S_PER_CHILD = 0.8  # gate_steps: measured time per child past which long steps are cut
+MIN_MEASURED_STEPS = 6
 COOLDOWN_STEPS = 1  # after the measured steps: work a candidate defers past its last measured reply lands here
 _SPEED_REASONS = {
     SpeedOutcome.accepted: VerdictReason.accepted,
@@ -89,6 +92,19 @@ _SPEED_REASONS = {
 
 class GateError(RuntimeError):
     """The gate could not judge the candidate (the baseline itself failed, or bad arguments)."""
+
+
+def gate_steps(configured: int, step_s: float | None) -> int:
+    """Measured steps per gate child: the workload's `steps`, cut for long steps to what
+    `MEASURED_S_PER_CHILD` of the baseline's step time (`step_s`, the run's baseline measurement) needs,
+    at least `MIN_MEASURED_STEPS`. A round's noise here is mostly between children (a fresh process
+    runs a few percent faster or slower all through), so measured time past a second buys little and
+    costs every round: re-deciding the recorded llama rounds (benchmarks/gate_settings.py), 6 measured
+    steps instead of 8 keep A/A false accepts at 2-3% and power for a 5% gain or slowdown above 90%,
+    at 15% less per round. Unknown step time (tests, benchmarks): the workload's `steps`."""
+    if step_s is None or not step_s > 0 or configured <= MIN_MEASURED_STEPS:
+        return configured
+    return max(MIN_MEASURED_STEPS, min(configured, math.ceil(MEASURED_S_PER_CHILD / step_s)))
 
 
 def gate_warmup(warmup: int, numerics_steps: int) -> int:
@@ -287,7 +303,7 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
     workloads = {"baseline": baseline, "candidate": candidate}
 
     seq = SequentialGate(looks(rounds, max_rounds), min_gain=min_gain, confidence=confidence)
-    base_env = dict(extra_env or {})
+    base_env = {**fork_server.prewarm_env((baseline.root, candidate.root)), **(extra_env or {})}
     if quiet.contended_at_start() and "OMP_WAIT_POLICY" not in base_env:
         state["wait_policy"] = "passive from the start: the load average was above the cores"
     env_now = (lambda: {**base_env, **quiet.PASSIVE_ENV} if "wait_policy" in state else base_env or None)

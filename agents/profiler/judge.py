@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainbridge.agents.profiler.gate import run_gate
+from trainbridge.agents.profiler.gate import gate_steps, run_gate
 from trainbridge.agents.profiler.numerics import NumericsTolerance
 from trainbridge.agents.profiler.region_lab import lab_enabled, region_verdict, time_region
 from trainbridge.agents.profiler.verdict import Verdict
@@ -37,12 +37,13 @@ def speed_measurable(target: str) -> bool:
 
 def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, recipe_numerics=None, rounds: int,
                     max_rounds: int | None, min_gain: float, launch: str | None = None, determinism: dict | None = None,
-                    sites: list | None = None) -> Verdict:
+                    sites: list | None = None, baseline_step_s: float | None = None) -> Verdict:
     """The gate's verdict on the candidate worktree against the baseline worktree (`launch`: the
     run's script-mode launch line, when it gave one on the command line; `determinism`: the run's
     repeatability report of the unmodified program, as the prepare node stored it; `sites`: the
     candidate's rewritten regions: when speed is measurable, the region lab times them first and a
-    clearly slower region skips the gate, agents/profiler/region_lab.py)."""
+    clearly slower region skips the gate, agents/profiler/region_lab.py; `baseline_step_s`: the run's
+    baseline step time, from which the gate sizes its children's measured steps, `gate.gate_steps`)."""
     from trainbridge.sandbox.script_determinism import DeterminismReport
 
     tolerance = tolerance_for(recipe_numerics) if recipe_numerics is not None else None
@@ -59,7 +60,7 @@ def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, r
         if early is not None:
             return early
     verdict = run_gate(baseline, candidate, backend=target, rounds=rounds, max_rounds=max_rounds, min_gain=min_gain,
-                       tolerance=tolerance, emulated_speed=not speed_measurable(target), determinism=report)
+                       steps_per_round=gate_steps(baseline.config.steps, baseline_step_s), tolerance=tolerance, emulated_speed=not speed_measurable(target), determinism=report)
     if region is None:
         return verdict
     seconds = {"region": round(region.wall_s, 3), **verdict.phase_seconds}
