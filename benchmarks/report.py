@@ -184,6 +184,14 @@ def loop_cost_table(section: dict[str, Any]) -> list[str]:
                      f"{NA if per is None else f'{per:.1f}'} | {c.get('stop_reason') or NA} |")
         if b.get("note"):
             notes.append(f"{w['workload']}: {b['note']}.")
+    judged = [(w["workload"], w["per_candidate"]) for w in section.get("workloads", []) if (w.get("per_candidate") or {}).get("judge_s")]
+    if judged:
+        lines += ["", "| workload | judged candidates | judge s per candidate (each) | median s |", "|---|---:|---|---:|"]
+        lines += [f"| {name} | {per['judged']} | {', '.join(f'{x:.0f}' for x in per['judge_s'])} | {per['median_judge_s']:.1f} |"
+                  for name, per in judged]
+        every = [x for _, per in judged for x in per["judge_s"]]
+        lines.append(f"\nAll workloads together: median {statistics.median(every):.1f} s per judged candidate over {len(every)} candidates "
+                     "(the profiler node's wall time: region lab and gate).")
     lines.append("")
     lines.append("evidence = the analyst's static scan and eager profile; compile = its torch.compile reference; "
                  "codemod = the coder; measurement = baseline, gate and final measurement (prepare, profiler, report); "

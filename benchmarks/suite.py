@@ -192,7 +192,8 @@ def run_workloads(settings: dict[str, Any], sections: list[str], tmp: Path, say:
             entry["per_candidate"] = loop_cost.per_candidate_seconds(state)
             entry["intents"] = loop_cost.intent_outcomes(state)
             entry["accepted"] = loop_cost.accepted_commits(state)
-            cost["workloads"].append({"workload": name, "breakdown": loop_cost.phase_breakdown(state, run["wall_s"]), "candidates": stats})
+            cost["workloads"].append({"workload": name, "breakdown": loop_cost.phase_breakdown(state, run["wall_s"]), "candidates": stats,
+                                      "per_candidate": entry["per_candidate"]})  # also when the speedup section is not run
             say(f"[{name}] run finished in {run['wall_s']:.0f} s (exit {run['exit_code']}): {stats['candidates_tried']} candidate(s), "
                 f"{stats['accepted']} accepted; {state.get('stop_reason')}")
             if run["exit_code"] != 0 and not state:

@@ -34,10 +34,10 @@ import json
 import shutil
 import tempfile
 import os
+import re
 import socket
 import subprocess
 import sys
-import re
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field

@@ -99,9 +99,10 @@ def gate_steps(configured: int, step_s: float | None) -> int:
     `MEASURED_S_PER_CHILD` of the baseline's step time (`step_s`, the run's baseline measurement) needs,
     at least `MIN_MEASURED_STEPS`. A round's noise here is mostly between children (a fresh process
     runs a few percent faster or slower all through), so measured time past a second buys little and
-    costs every round: re-deciding the recorded llama rounds (benchmarks/gate_settings.py), 6 measured
-    steps instead of 8 keep A/A false accepts at 2-3% and power for a 5% gain or slowdown above 90%,
-    at 15% less per round. Unknown step time (tests, benchmarks): the workload's `steps`."""
+    costs every round: re-deciding the recorded llama rounds (benchmarks/gate_settings.py,
+    benchmarks/results/2026-12-02-gate-settings-llama.md), 6 measured steps instead of 8 keep A/A false
+    accepts at 3% and power for a 5% gain or slowdown at 94-95%, for 0.83 of the cost per candidate
+    (4 steps lose power for a slowdown: 81%). Unknown step time (tests, benchmarks): the workload's `steps`."""
     if step_s is None or not step_s > 0 or configured <= MIN_MEASURED_STEPS:
         return configured
     return max(MIN_MEASURED_STEPS, min(configured, math.ceil(MEASURED_S_PER_CHILD / step_s)))

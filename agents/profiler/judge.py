@@ -60,7 +60,8 @@ def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, r
         if early is not None:
             return early
     verdict = run_gate(baseline, candidate, backend=target, rounds=rounds, max_rounds=max_rounds, min_gain=min_gain,
-                       steps_per_round=gate_steps(baseline.config.steps, baseline_step_s), tolerance=tolerance, emulated_speed=not speed_measurable(target), determinism=report)
+                       steps_per_round=gate_steps(baseline.config.steps, baseline_step_s), tolerance=tolerance,
+                       emulated_speed=not speed_measurable(target), determinism=report)
     if region is None:
         return verdict
     seconds = {"region": round(region.wall_s, 3), **verdict.phase_seconds}

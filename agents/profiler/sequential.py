@@ -22,11 +22,7 @@ the first look that decides, either way; close calls go on. What keeps the calib
   trend continued to the last look would cross the boundary with probability below
   `FUTILITY_POWER` (conditional power, normal approximation on the log ratios). Stopping for
   futility never accepts, so it cannot raise the false-accept rate; it costs a little power,
-  which benchmarks/gate_calibration.py measures. At 0.2 (it was 0.05) a candidate that makes no
-  difference stops after 7.9 rounds on average instead of 9.2, and power for a 5% gain or slowdown
-  stays at 91% (6 measured steps a child; benchmarks/gate_settings.py on the recorded llama rounds,
-  benchmarks/results/2026-12-02-gate-settings-llama.md): most candidates make no difference, and
-  their rounds were the gate's largest cost.
+  which benchmarks/gate_calibration.py measures.
 - **Busy rounds** (agents/profiler/quiet.py) are left out before a look counts its rounds: a look
   at n rounds means n kept rounds.
 
@@ -49,7 +45,7 @@ from trainbridge.agents.profiler.stats import SpeedDecision, SpeedOutcome, decid
 
 FIRST_LOOK = 6  # the fewest rounds at which the exact signed-rank test can reach p < 0.025
 LOOK_EVERY = 2
-FUTILITY_POWER = 0.2
+FUTILITY_POWER = 0.05
 FIRST_SPEND = 0.75  # the most of alpha a unanimous first look may spend (look_levels)
 NULL_SIMULATIONS = 40_000
 NULL_SEED = 20261201
