@@ -259,13 +259,14 @@ def decide_resampled(rounds: list[dict], args, slowdowns: list[float], gates: in
 SHIFTS = ((1.05, "A/A, candidate x 1.05 (a true 5% slowdown)"), (1 / 1.05, "A/A, candidate / 1.05 (a true 5% gain)"))
 
 
-def decide_shifted(rounds: list[dict], args, gates: int, seed: int = 0) -> dict[str, list[dict]]:
+def decide_shifted(rounds: list[dict], args, gates: int, seed: int = 0,
+                   shifts: tuple[tuple[float, str], ...] = SHIFTS) -> dict[str, list[dict]]:
     """Power at a known effect on this machine's own noise: the recorded A/A rounds (the baseline beside
     itself), every candidate-side step multiplied by a factor (`SHIFTS`), `gates` resampled gate runs
     each, decided as `run_gate` decides. A shift model: the effect is exact, the noise is measured
     (unlike the planted variants, whose spin is a second program with noise of its own)."""
     decisions: dict[str, list[dict]] = {}
-    for factor, label in SHIFTS:
+    for factor, label in shifts:
         rng = random.Random(seed)
         for g in range(gates):
             window = []

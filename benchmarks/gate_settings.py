@@ -36,12 +36,7 @@ def rates(record: dict, args, gates: int) -> dict:
     rounds = record["rounds"]
     aa = gate_calibration.decide_resampled(rounds, args, [], gates)["A/A"]
     out = {"aa_accept": _share(aa, "accepted"), "aa_rounds": _mean_rounds(aa)}
-    saved = gate_calibration.SHIFTS
-    try:
-        gate_calibration.SHIFTS = SHIFTS
-        shifted = gate_calibration.decide_shifted(rounds, args, gates)
-    finally:
-        gate_calibration.SHIFTS = saved
+    shifted = gate_calibration.decide_shifted(rounds, args, gates, shifts=SHIFTS)
     for _, label in SHIFTS:
         items = shifted[label]
         wanted = "slower" if "slowdown" in label else "accepted"
@@ -68,10 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-rounds", type=int, default=20)
     parser.add_argument("--gates", type=int, default=400, help="resampled gate runs per condition")
     parser.add_argument("--probe-steps", type=int, default=3, help="the probe's training steps per child (run_gate's numerics_steps)")
-    parser.add_argument("--overhead-steps", type=float, default=1.0, help="a child's start, in steps (measured: ~0.2 s fork-server start "
-                        "and ~0.25 s for the probe's gradient files on llama's ~0.22 s step)")
+    parser.add_argument("--overhead-steps", type=float, default=1.0, help="a child's start and files, in steps (llama, 0.22 s steps: "
+                        "~0.2 s from fork to ready, the probe ~0.3 s past its steps, so 1-2)")
     parser.add_argument("--mix", type=float, nargs=3, default=[0.5, 0.25, 0.25], metavar=("NONE", "GAIN2", "GAIN5"),
-                        help="share of candidates with no effect, a 2%% gain and a 5%% gain (the demo's 9: 6 not significant, 3 accepted)")
+                        help="share of candidates with no effect, a 2%% gain and a 5%% gain (an assumed mix: the demo judged 9, 6 not "
+                        "significant and 3 accepted)")
     parser.add_argument("--min-gain", type=float, default=0.01)
     parser.add_argument("--confidence", type=float, default=0.95)
     parser.add_argument("--out", type=Path, default=None, help="write every figure as JSON here")

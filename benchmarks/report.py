@@ -126,9 +126,7 @@ def _speedup_notes(section: dict[str, Any]) -> list[str]:
         met_2 = sum(g["tb_compile_faster"] == "met" for g in judged)
         lines.append(f"\nGoals met: TrainBridge's branch at least as fast as torch.compile of the original on {met_1} of "
                      f"{len(judged)} workload(s); TrainBridge + compile significantly faster than compile alone on {met_2} of {len(judged)}.")
-    every = [x for w in section.get("workloads", []) for x in (w.get("per_candidate") or {}).get("judge_s") or []]
-    if every:
-        lines.append(f"\nAll workloads together: median {statistics.median(every):.1f} s per judged candidate over {len(every)} candidates.")
+    lines += _judged_overall(section)
     for w in section.get("workloads", []):
         if w.get("rerun"):
             rerun = w["rerun"]
@@ -171,7 +169,17 @@ def intents_section(section: dict[str, Any]) -> list[str]:
     return lines
 
 
-def loop_cost_table(section: dict[str, Any]) -> list[str]:
+def _judged_overall(section: dict[str, Any]) -> list[str]:
+    """The median judge time per candidate over every workload of `section` (empty when none was judged)."""
+    every = [x for w in section.get("workloads", []) for x in (w.get("per_candidate") or {}).get("judge_s") or []]
+    if not every:
+        return []
+    return [f"\nAll workloads together: median {statistics.median(every):.1f} s per judged candidate over {len(every)} candidates "
+            "(the profiler node's wall time: region lab and gate)."]
+
+
+def loop_cost_table(section: dict[str, Any], *, judge_times: bool = True) -> list[str]:
+    """`judge_times`: also list each run's judge time per candidate (the speed section lists them when it ran)."""
     phases = ("evidence", "compile", "retrieval", "codemod", "measurement")
     lines = ["| workload | run wall s | " + " | ".join(f"{p} s" for p in phases) + " | other s | candidates | accepted | candidates / accepted | stop |",
              "|---|---:|" + "---:|" * len(phases) + "---:|---:|---:|---:|---|"]
@@ -185,13 +193,11 @@ def loop_cost_table(section: dict[str, Any]) -> list[str]:
         if b.get("note"):
             notes.append(f"{w['workload']}: {b['note']}.")
     judged = [(w["workload"], w["per_candidate"]) for w in section.get("workloads", []) if (w.get("per_candidate") or {}).get("judge_s")]
-    if judged:
+    if judge_times and judged:
         lines += ["", "| workload | judged candidates | judge s per candidate (each) | median s |", "|---|---:|---|---:|"]
         lines += [f"| {name} | {per['judged']} | {', '.join(f'{x:.0f}' for x in per['judge_s'])} | {per['median_judge_s']:.1f} |"
                   for name, per in judged]
-        every = [x for _, per in judged for x in per["judge_s"]]
-        lines.append(f"\nAll workloads together: median {statistics.median(every):.1f} s per judged candidate over {len(every)} candidates "
-                     "(the profiler node's wall time: region lab and gate).")
+        lines += _judged_overall(section)
     lines.append("")
     lines.append("evidence = the analyst's static scan and eager profile; compile = its torch.compile reference; "
                  "codemod = the coder; measurement = baseline, gate and final measurement (prepare, profiler, report); "
@@ -273,7 +279,8 @@ def render_markdown(record: dict[str, Any], charts: list[str] | None = None) -> 
                       lambda sec: [speedup_table(sec), *_speedup_notes(sec), *intents_section(sec)])
     for chart in charts or []:
         lines += ["", f"![{Path(chart).stem}]({Path(chart).name})"]
-    lines += _section("The loop's own cost (per `trainbridge run`)", s.get("loop_cost"), loop_cost_table)
+    lines += _section("The loop's own cost (per `trainbridge run`)", s.get("loop_cost"),
+                      lambda sec: loop_cost_table(sec, judge_times=speed is None))
     lines += _section("Gate calibration", s.get("calibration"), calibration_table)
     lines += _section("Knowledge-base query latency", s.get("kb_latency"), lambda sec: [sec.get("markdown", "")])
     lines += _section("Analysis time against model depth (llama)", s.get("analysis_scaling"), analysis_table)

@@ -58,6 +58,7 @@ WARM_SERVERS = 3  # servers a kept-warm pool holds at most (each is an interpret
 _HASH_SEED = "PYTHONHASHSEED"  # fixed at interpreter start: a server's children share its own (both sides of a round alike)
 _COMPILES = re.compile(r"\btorch\.compile\b|\.compile\(\s*\)")  # torch.compile(...), @torch.compile, model.compile()
 _SCANNED_FILES = 5000  # a workload's Python files read at most, looking for a compile call
+_SCANNED_BYTES = 1 << 20  # of each file
 _SKIPPED_DIRS = frozenset({"site-packages", "node_modules", "__pycache__", "venv"})
 
 
@@ -69,19 +70,25 @@ def prewarm_env(roots: Iterable[Path]) -> dict[str, str]:
 
 
 def _calls_compile(root: Path) -> bool:
+    """Whether some Python file under `root` names a compile call: hidden folders, virtual environments
+    and caches are not descended into, links are not followed, and at most `_SCANNED_FILES` files of at
+    most `_SCANNED_BYTES` each are read (the worktree is the candidate's: it may be large or odd)."""
     scanned = 0
-    for path in root.rglob("*.py"):
-        parts = path.relative_to(root).parts[:-1]
-        if any(p.startswith(".") or p in _SKIPPED_DIRS for p in parts):
-            continue
-        scanned += 1
-        if scanned > _SCANNED_FILES:
-            return False
-        try:
-            if _COMPILES.search(path.read_text(encoding="utf-8", errors="replace")):
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in _SKIPPED_DIRS]
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            scanned += 1
+            if scanned > _SCANNED_FILES:
+                return False
+            try:
+                with open(os.path.join(folder, name), "rb") as handle:
+                    text = handle.read(_SCANNED_BYTES).decode("utf-8", errors="replace")
+            except OSError:
+                continue
+            if _COMPILES.search(text):
                 return True
-        except OSError:
-            continue
     return False
 
 

@@ -98,7 +98,7 @@ def gate_steps(configured: int, step_s: float | None) -> int:
     """Measured steps per gate child: the workload's `steps`, cut for long steps to what
     `MEASURED_S_PER_CHILD` of the baseline's step time (`step_s`, the run's baseline measurement) needs,
     at least `MIN_MEASURED_STEPS`. A round's noise here is mostly between children (a fresh process
-    runs a few percent faster or slower all through), so measured time past a second buys little and
+    runs a few percent faster or slower all through), so measured time past ~0.8 s buys little and
     costs every round: re-deciding the recorded llama rounds (benchmarks/gate_settings.py,
     benchmarks/results/2026-12-02-gate-settings-llama.md), 6 measured steps instead of 8 keep A/A false
     accepts at 3% and power for a 5% gain or slowdown at 94-95%, for 0.83 of the cost per candidate
