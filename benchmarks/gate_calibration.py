@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainbridge.agents.profiler.gate import PAIRINGS, RoundInputs, default_pairing, run_pair, run_side
+from trainbridge.agents.profiler.gate import PAIRINGS, PROBE_STEPS, RoundInputs, default_pairing, run_pair, run_side
 from trainbridge.agents.profiler.quiet import busy_rounds
 from trainbridge.agents.profiler.sequential import FUTILITY_POWER, look_levels, looks, replay
 from trainbridge.agents.profiler.stats import SpeedOutcome, decide_speed
@@ -115,7 +115,7 @@ def write_json(path: Path, record: dict) -> None:
 
 
 def _inputs(programs: dict[str, Workload], seed: int, steps: int) -> RoundInputs:
-    return RoundInputs.draw(random.Random(seed), numerics_steps=3, warmup=next(iter(programs.values())).config.warmup_steps,
+    return RoundInputs.draw(random.Random(seed), numerics_steps=PROBE_STEPS, warmup=next(iter(programs.values())).config.warmup_steps,
                             steps=steps, index_range=256)
 
 

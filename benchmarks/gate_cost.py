@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainbridge.agents.profiler.gate import RoundInputs, run_pair, run_side
+from trainbridge.agents.profiler.gate import PROBE_STEPS, RoundInputs, run_pair, run_side
 from trainbridge.sandbox import fork_server
 from trainbridge.sandbox.workload import load_workload
 
@@ -61,7 +61,7 @@ def measure_workload(path: Path, pairs: int, rng: random.Random, *, steps: int |
     config = workload.config
 
     def draw() -> RoundInputs:
-        return RoundInputs.draw(rng, numerics_steps=3, warmup=config.warmup_steps, steps=config.steps, index_range=256)
+        return RoundInputs.draw(rng, numerics_steps=PROBE_STEPS, warmup=config.warmup_steps, steps=config.steps, index_range=256)
 
     walls: dict[str, list[float]] = {"exec": [], "fork-server": []}
     children: dict[str, list[float]] = {"exec": [], "fork-server": []}

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainbridge.agents.profiler.gate import RoundInputs, run_pair
+from trainbridge.agents.profiler.gate import PROBE_STEPS, RoundInputs, run_pair
 from trainbridge.sandbox import fork_server
 from trainbridge.sandbox.workload import load_workload
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def one_round(name: str) -> float:
             steps = workloads[0].config
-            inputs = RoundInputs.draw(rng, numerics_steps=3, warmup=steps.warmup_steps, steps=steps.steps, index_range=256)
+            inputs = RoundInputs.draw(rng, numerics_steps=PROBE_STEPS, warmup=steps.warmup_steps, steps=steps.steps, index_range=256)
             started = time.monotonic()
             sides = run_pair(workloads, inputs, backend="cpu", extra_env=envs[name], work_dir=None)
             for side in sides:

@@ -32,7 +32,7 @@ from pathlib import Path
 if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling benchmark modules (benchmarks/ is not a package)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trainbridge.agents.profiler.gate import RoundInputs, run_pair  # noqa: E402
+from trainbridge.agents.profiler.gate import PROBE_STEPS, RoundInputs, run_pair  # noqa: E402
 from trainbridge.sandbox import fork_server  # noqa: E402
 from trainbridge.sandbox.workload import load_workload  # noqa: E402
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps):
             order = cells[rep % len(cells):] + cells[:rep % len(cells)]
             for policy, load, pair in order:
-                inputs = RoundInputs.draw(rng, numerics_steps=3, warmup=workload.config.warmup_steps, steps=workload.config.steps,
+                inputs = RoundInputs.draw(rng, numerics_steps=PROBE_STEPS, warmup=workload.config.warmup_steps, steps=workload.config.steps,
                                           index_range=256)
                 result = one_round(workload, others[pair], inputs, POLICIES[policy], load != "quiet")
                 samples[f"{policy} / {load} / {pair}"].append(result)

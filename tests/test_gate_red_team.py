@@ -109,7 +109,7 @@ def build(device, seed):
 
     def train_step(model, optimizer, batch):
         calls[0] += 1
-        if calls[0] == 4:  # the first step after the probe's three
+        if calls[0] == 3:  # the first timed step, after the probe's two (PROBE_STEPS)
             _observe("first timed step")
         return honest(model, optimizer, batch)
 

@@ -24,6 +24,7 @@ from trainbridge.agents.profiler.stats import (
     bootstrap_ci,
     decide_speed,
     paired_ratios,
+    round_level,
     wilcoxon_signed_rank,
 )
 from trainbridge.agents.profiler.verdict import Verdict, VerdictReason
@@ -46,8 +47,14 @@ def synthetic_rounds(rng: random.Random, n: int, factor: float, noise: float = 0
 
 # --- stats ------------------------------------------------------------------------------------
 
-def test_paired_ratios_are_ratios_of_round_medians():
-    assert paired_ratios([[1.0, 2.0, 9.0], [4.0]], [[1.0, 1.0, 1.0], [2.0]]) == [0.5, 0.5]
+def test_a_round_level_is_the_mean_of_the_faster_half_of_its_steps():
+    assert round_level([5.0, 1.0, 3.0, 100.0]) == 2.0  # an interrupted step (100) never counts
+    assert round_level([1.0, 2.0, 9.0]) == 1.5  # odd: the middle step is in the faster half
+    assert round_level([4.0]) == 4.0
+
+
+def test_paired_ratios_are_ratios_of_round_levels():
+    assert paired_ratios([[1.0, 2.0, 9.0], [4.0]], [[0.75, 0.75, 30.0], [2.0]]) == [0.5, 0.5]
     with pytest.raises(ValueError, match="unpaired"):
         paired_ratios([[1.0]], [[1.0], [1.0]])
     with pytest.raises(ValueError, match="no step-time samples"):

@@ -6,9 +6,16 @@ The design, and why:
   fresh child per side per round; under the CPU default the two children of a round are alive at
   once and their steps alternate (agents/profiler/gate.py), so round i's two sides ran
   milliseconds apart and the machine's drift (other jobs, thermal state) hits both alike. The
-  unit of evidence is the per-round ratio ``median(candidate steps of round i) / median(baseline
-  steps of round i)``: the median inside a round discards single-step hiccups (a page fault, a
-  context switch).
+  unit of evidence is the per-round ratio ``level(candidate steps of round i) / level(baseline
+  steps of round i)``, where a side's level is the mean of the faster half of its measured steps
+  (`round_level`). Step-time noise on a CPU host is one-sided: a page fault, a context switch or a
+  neighbour's burst only ever adds time, so the faster half is the step's own cost and the slower
+  half mostly interruptions. Re-deciding the recorded llama A/A rounds
+  (benchmarks/gate_settings.py --round-level, benchmarks/results/2026-12-02-round-level-llama.md),
+  the faster half's mean against the median (6 measured steps): A/A false accepts 1.7% against
+  3.0%, power for a 5% gain 99% against 95%, for a 2% gain 55% against 34%, for a 5% slowdown
+  95% against 94%. Under the null hypothesis the two sides of a round are exchangeable whatever
+  the statistic, so the signed-rank test below stays exact.
 - **Log scale.** Ratios are analysed as ``d_i = log(ratio_i)``, so 0.9x and 1/0.9x are symmetric
   and the result is a ratio again after ``exp``.
 - **Point estimate: the median of the d_i.** Robust to a round that a neighbour's job slowed
@@ -55,7 +62,7 @@ class SpeedDecision(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     outcome: SpeedOutcome
-    ratio: float = Field(description="median over rounds of candidate/baseline round-median ratios")
+    ratio: float = Field(description="median over rounds of candidate/baseline ratios of round levels (stats.round_level)")
     ci_low: float
     ci_high: float
     confidence: float
@@ -77,24 +84,31 @@ class SpeedDecision(BaseModel):
         return 1.0 - self.ratio
 
 
-def round_medians(rounds: Sequence[Sequence[float]]) -> list[float]:
-    """The median step time of each round; a round without samples is an error."""
+def round_level(samples: Sequence[float]) -> float:
+    """One side's step time in one round: the mean of the faster half of its measured steps (the
+    middle one included when their number is odd; see the module doc for why not the median)."""
+    ordered = sorted(samples)
+    return statistics.fmean(ordered[: (len(ordered) + 1) // 2])
+
+
+def round_levels(rounds: Sequence[Sequence[float]]) -> list[float]:
+    """The level (`round_level`) of each round; a round without samples is an error."""
     out = []
     for index, samples in enumerate(rounds):
         if not samples:
             raise ValueError(f"round {index} has no step-time samples")
-        out.append(statistics.median(samples))
+        out.append(round_level(samples))
     return out
 
 
 def paired_ratios(baseline_rounds: Sequence[Sequence[float]], candidate_rounds: Sequence[Sequence[float]]) -> list[float]:
-    """candidate/baseline ratio of round medians, round by round."""
+    """candidate/baseline ratio of round levels (`round_level`), round by round."""
     if len(baseline_rounds) != len(candidate_rounds):
         raise ValueError(f"unpaired rounds: {len(baseline_rounds)} baseline vs {len(candidate_rounds)} candidate")
-    base, cand = round_medians(baseline_rounds), round_medians(candidate_rounds)
+    base, cand = round_levels(baseline_rounds), round_levels(candidate_rounds)
     bad = [i for i, (b, c) in enumerate(zip(base, cand)) if not (b > 0 and c > 0 and math.isfinite(b) and math.isfinite(c))]
     if bad:
-        raise ValueError(f"round(s) {bad} have a non-positive or non-finite median step time")
+        raise ValueError(f"round(s) {bad} have a non-positive or non-finite step time")
     return [c / b for b, c in zip(base, cand)]
 
 
