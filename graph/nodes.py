@@ -95,7 +95,8 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     if pending is not None:
         head = npu_pending.pending_view(workspace, pending)  # emulated NPU: rewrites stack on the pending branch: analyse its head
     analysis = analyze_repo(ctx.config.workload(head), backend=ctx.config.target, reference_pack=pack if first else None,
-                            compile_reference=ctx.config.compile_reference and first)
+                            compile_reference=ctx.config.compile_reference and first,
+                            on_phase=_server_starter(ctx, workspace.worktree) if first else None)
     done = set(state.get("done_intents", []))
     wanted = set(ctx.config.categories) if ctx.config.categories else None
     found = split_own_rewrites(analysis.intents, head, state["base_sha"], state.get("verdicts", []))
@@ -119,6 +120,25 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
 
 
 _ANALYSIS_PARTS = {"static_scan": "static", "target_profile": "profile", "reference": "reference"}
+_MEASURED_PHASES = ("static_scan", "target_profile")  # the analyst's phases that time the program: no server starts beside them
+
+
+def _server_starter(ctx: RunContext, head: Path):
+    """An analysis phase callback that launches the first gate's fork servers once the analyst's timed
+    phases are over (its compile reference takes a minute or more: their imports overlap it)."""
+    from trainbridge.agents.profiler.judge import ready_servers
+
+    done: list[bool] = []
+
+    def on_phase(phase: str) -> None:
+        if done or phase in _MEASURED_PHASES:
+            return
+        done.append(True)
+        launched = ready_servers(head, target=ctx.config.target, launch=ctx.config.launch)
+        if launched:
+            ctx.say(f"starting {launched} fork server(s) for the gate in the background")
+
+    return on_phase
 
 
 # --- retrieval -----------------------------------------------------------------------------------

@@ -24,6 +24,11 @@ exits (and a server exits by itself when the process that holds its socket dies)
 A gate whose workloads call torch.compile (`prewarm_env`) gives its children's environment
 `fork_child.PREWARM_ENV`, so their server (one per environment) readies Inductor's compile stack once
 instead of every child paying 3-4 s for it before its first step.
+
+`prestart(envs)` launches a run's servers ahead of its first gate, without waiting for them (a run
+calls it while the analyst compiles its reference, so their imports overlap that work): a server is
+asked for a fork only once it has said it is ready, and one that failed to start is started again
+then, as if it had never been launched.
 """
 
 from __future__ import annotations
@@ -147,11 +152,19 @@ class ForkServer:
     prewarmed: str | None = None  # what it readied beyond its imports (fork_child.prewarm_inductor), if asked
     prewarm_error: str | None = None  # why the asked prewarm failed (its children then pay for it themselves)
     children: int = 0
+    ready: bool = False  # it said "ready" (launched servers say so later: `await_ready`)
 
     @classmethod
     def start(cls, prefix: tuple[str, ...], env: dict[str, str], scratch: Path) -> "ForkServer":
         """Start a server under `prefix` (network isolation) with `env`, in `scratch` (never a
         workload's folder: its sys.path[0] is replaced in each child); wait until it has imported."""
+        server = cls.launch(prefix, env, scratch)
+        server.await_ready()
+        return server
+
+    @classmethod
+    def launch(cls, prefix: tuple[str, ...], env: dict[str, str], scratch: Path) -> "ForkServer":
+        """Start a server as `start` does, without waiting for its imports (`await_ready` does)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         log_path = scratch / f"fork-server-{len(list(scratch.glob('fork-server-*')))}.log"
         with log_path.open("wb") as log:
@@ -164,14 +177,23 @@ class ForkServer:
                 theirs.close()
                 raise ForkServerError(f"could not start the fork server: {exc}") from exc
         theirs.close()
-        server = cls(process=process, sock=ours, log_path=log_path)
-        reply = server._reply(READY_TIMEOUT_S)
+        return cls(process=process, sock=ours, log_path=log_path)
+
+    def await_ready(self) -> None:
+        """Wait for the server's "ready" (once); ForkServerError, the server stopped, when it does not come."""
+        if self.ready:
+            return
+        try:
+            reply = self._reply(READY_TIMEOUT_S)
+        except ForkServerError:
+            self.close()
+            raise
         if reply.get("op") != "ready":
-            server.close()
+            self.close()
             raise ForkServerError(f"the fork server did not get ready: {reply}")
-        server.private_shm = bool(reply.get("private_shm"))
-        server.prewarmed, server.prewarm_error = reply.get("prewarmed"), reply.get("prewarm_error")
-        return server
+        self.ready = True
+        self.private_shm = bool(reply.get("private_shm"))
+        self.prewarmed, self.prewarm_error = reply.get("prewarmed"), reply.get("prewarm_error")
 
     def fork(self, *, cwd: Path, env: dict[str, str], fds: dict[str, int], channel: tuple[int, int],
              memory_limit_mb: int | None, program: str = "harness", args: list[str] | None = None) -> ForkedChild:
@@ -240,15 +262,17 @@ class ForkPool:
     def fork(self, *, cwd: Path, env: dict[str, str], fds: dict[str, int], channel: tuple[int, int],
              memory_limit_mb: int | None, program: str = "harness", args: list[str] | None = None) -> ForkedChild | None:
         """A forked child, or None (the reason kept in `fallbacks`): the caller then starts it by exec."""
-        key = tuple(sorted((k, v) for k, v in env.items() if k != _HASH_SEED))
+        key = _env_key(env)
         try:
             server = self.servers.pop(key, None)
-            if server is not None and server.process.poll() is not None:
+            if server is not None and not server.ready:
+                with contextlib.suppress(ForkServerError):  # launched ahead (`prestart`): started again below if it failed
+                    server.await_ready()
+            if server is not None and (not server.ready or server.process.poll() is not None):
                 server.close()
                 server = None
             if server is None:
-                while self.max_servers is not None and len(self.servers) >= self.max_servers:
-                    self.servers.pop(next(iter(self.servers))).close()  # the least recently used
+                self._make_room()
                 server = ForkServer.start(self.prefix, env, self.scratch)
             self.servers[key] = server  # the most recently used last
             child = server.fork(cwd=cwd, env=env, fds=fds, channel=channel, memory_limit_mb=memory_limit_mb, program=program,
@@ -261,6 +285,26 @@ class ForkPool:
             return None
         self.forked += 1
         return child
+
+    def prestart(self, envs: Iterable[dict[str, str]]) -> int:
+        """Launch a server for each environment that has none, without waiting for it; how many were launched."""
+        launched = 0
+        for env in envs:
+            key = _env_key(env)
+            if key in self.servers:
+                continue
+            self._make_room()
+            try:
+                self.servers[key] = ForkServer.launch(self.prefix, env, self.scratch)
+            except ForkServerError as exc:
+                self.fallbacks.append(f"prestart: {exc}"[:500])
+                continue
+            launched += 1
+        return launched
+
+    def _make_room(self) -> None:
+        while self.max_servers is not None and len(self.servers) >= self.max_servers:
+            self.servers.pop(next(iter(self.servers))).close()  # the least recently used
 
     def close(self) -> None:
         for server in self.servers.values():
@@ -286,6 +330,35 @@ def active() -> ForkPool | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
+def _env_key(env: dict[str, str]) -> tuple:
+    """Which server serves a child with `env`: the environment, its hash seed aside."""
+    return tuple(sorted((k, v) for k, v in env.items() if k != _HASH_SEED))
+
+
+def _warm_pool(prefix: tuple[str, ...], work_dir: Path | None) -> ForkPool:
+    pool = _WARM.get(prefix)
+    if pool is None:
+        scratch = Path(tempfile.mkdtemp(prefix="trainbridge-warm-forkserver-", dir=work_dir))
+        pool = _WARM[prefix] = ForkPool(prefix=prefix, scratch=scratch, max_servers=WARM_SERVERS)
+        if not _EXIT_HOOK:
+            _EXIT_HOOK.append(atexit.register(shutdown_warm))
+    return pool
+
+
+def prestart(envs: Iterable[dict[str, str]], *, backend: str, work_dir: Path | None = None) -> int:
+    """Launch the warm pool's servers for these child environments now, in the background (see the
+    module doc); how many were launched. Only inside a `warm_scope` (outside one, no pool outlives a
+    gate) and when `backend`'s children are forked (`default_spawn`); at most `WARM_SERVERS`."""
+    try:
+        if not _SCOPES or default_spawn(backend) != "fork-server":
+            return 0
+    except ValueError:  # a bad TRAINBRIDGE_GATE_SPAWN: the gate itself says so
+        return 0
+    proc_watch.become_subreaper()
+    wanted = list({_env_key(env): env for env in envs}.values())[:WARM_SERVERS]
+    return _warm_pool(tuple(network_isolation().prefix), work_dir).prestart(wanted)
+
+
 @contextlib.contextmanager
 def serving(kind: SpawnKind, *, prefix: tuple[str, ...] | None = None, work_dir: Path | None = None,
             keep_warm: bool = False) -> Iterator[ForkPool | None]:
@@ -304,12 +377,7 @@ def serving(kind: SpawnKind, *, prefix: tuple[str, ...] | None = None, work_dir:
         prefix = network_isolation().prefix
     proc_watch.become_subreaper()  # forked children are handed to this process; without it they are exec'd
     if keep_warm and _SCOPES:
-        pool = _WARM.get(tuple(prefix))
-        if pool is None:
-            scratch = Path(tempfile.mkdtemp(prefix="trainbridge-warm-forkserver-", dir=work_dir))
-            pool = _WARM[tuple(prefix)] = ForkPool(prefix=tuple(prefix), scratch=scratch, max_servers=WARM_SERVERS)
-            if not _EXIT_HOOK:
-                _EXIT_HOOK.append(atexit.register(shutdown_warm))
+        pool = _warm_pool(tuple(prefix), work_dir)
         _ACTIVE.append(pool)
         try:
             yield pool

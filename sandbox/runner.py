@@ -160,6 +160,12 @@ def run_workload_pair(
         return results[0], results[1]
 
 
+def child_env(config, backend: str, extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a child of a workload with `config` gets on `backend` (a fork server serves the
+    children whose environment is its own: sandbox/fork_server.py)."""
+    return _child_env(config, Backend(backend), extra_env)
+
+
 def _child_env(config, target: Backend, extra_env: dict[str, str] | None) -> dict[str, str]:
     env = scrubbed_env({**target.child_env(), **(extra_env or {})}, threads=config.threads, seed=config.seed)
     if target.name == "npu":  # the real torch_npu when usable, else the CPU stand-in first on the child's path

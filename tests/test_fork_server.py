@@ -320,3 +320,37 @@ def test_a_prewarmed_server_forks_children_that_compile_as_an_exec_child_does(tm
                 assert server.prewarm_error is None and server.prewarmed.startswith("inductor (vector ISA ")
         losses[kind] = result.losses
     assert losses["fork-server"] == losses["exec"]
+
+
+def test_servers_launched_ahead_serve_the_first_gate_and_a_dead_one_is_started_again(tmp_path):
+    """`judge.ready_servers` launches, without waiting, the servers of exactly the environments the first
+    gate's children, its drift child and the region lab fork from: the gate then forks from them (no server
+    started in it), and a launched server that died before its first fork is replaced, not used."""
+    from trainbridge.agents.profiler.judge import ready_servers
+    from trainbridge.agents.profiler.region_lab import lab_env
+    from trainbridge.sandbox.runner import child_env
+
+    root = _workload(tmp_path / "repo", TINY + "\n\ndef build(device, seed):\n    return _parts(seed)\n")
+    workload = load_workload(root)
+    assert ready_servers(root, target="cpu") == 0  # outside a run's scope nothing would outlive the call
+    with fork_server.warm_scope():
+        assert ready_servers(root, target="cpu") == 2  # the gate's two threads; one thread: the drift child and the lab
+        (pool,) = fork_server._WARM.values()
+        keys = set(pool.servers)
+        assert keys == {fork_server._env_key(child_env(workload.config, "cpu")),
+                        fork_server._env_key(lab_env(workload.config, "cpu")),
+                        fork_server._env_key(child_env(workload.with_overrides(threads=1).config, "cpu"))}
+        assert not any(server.ready for server in pool.servers.values())  # launched, not waited for
+        assert ready_servers(root, target="cpu") == 0  # launched once
+        launched = dict(pool.servers)
+        dead = launched[fork_server._env_key(lab_env(workload.config, "cpu"))]
+        os.killpg(dead.process.pid, 9)
+        dead.process.wait(timeout=10)
+        verdict = run_gate(workload, load_workload(root), rounds=1, max_rounds=1)
+        assert verdict.spawn == "fork-server", verdict.spawn
+        gate_server = launched[fork_server._env_key(child_env(workload.config, "cpu"))]
+        assert pool.servers[fork_server._env_key(child_env(workload.config, "cpu"))] is gate_server
+        assert gate_server.ready and gate_server.children == 2  # both sides of the round, from the launched server
+        drift_server = pool.servers[fork_server._env_key(child_env(workload.with_overrides(threads=1).config, "cpu"))]
+        assert drift_server is not dead and drift_server.ready and drift_server.children == 1  # started again for the drift child
+    assert not fork_server._WARM

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from trainbridge.agents.profiler.gate import gate_steps, run_gate
 from trainbridge.agents.profiler.numerics import NumericsTolerance
-from trainbridge.agents.profiler.region_lab import lab_enabled, region_verdict, time_region
+from trainbridge.agents.profiler.region_lab import lab_enabled, lab_env, region_verdict, time_region
 from trainbridge.agents.profiler.verdict import Verdict
 from trainbridge.sandbox.backends import npu_emulated
 from trainbridge.sandbox.workload import load_workload, workload_for_launch
@@ -33,6 +33,26 @@ def tolerance_for(numerics) -> NumericsTolerance:
 def speed_measurable(target: str) -> bool:
     """False for the NPU target on a host where it runs under emulation: numerics only."""
     return not (target == "npu" and npu_emulated())
+
+
+def ready_servers(baseline_root: Path, *, target: str, launch: str | None = None) -> int:
+    """Launch, in the background, the fork servers the run's first gate will fork from (its children's,
+    its drift child's and the region lab's: sandbox/fork_server.py, `prestart`), so that their imports
+    overlap whatever the run does meanwhile instead of the first candidate's judging. How many were
+    launched: none outside a run's warm scope, for script-mode workloads (exec'd) or off the CPU."""
+    from trainbridge.sandbox import fork_server
+    from trainbridge.sandbox.runner import child_env
+
+    baseline = workload_for_launch(baseline_root, launch) if launch else load_workload(baseline_root)
+    if baseline.config.mode != "entry" or not speed_measurable(target):
+        return 0
+    base_env = fork_server.prewarm_env((baseline.root,))
+    drift_threads = 1 if baseline.config.threads > 1 else 2  # gate.measure_drift's reference child
+    envs = [child_env(baseline.config, target, base_env),
+            child_env(baseline.with_overrides(threads=drift_threads).config, target, base_env)]
+    if lab_enabled():
+        envs.append(lab_env(baseline.config, target))
+    return fork_server.prestart(envs, backend=target)
 
 
 def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, recipe_numerics=None, rounds: int,

@@ -120,7 +120,7 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
     config = baseline.config
     memory_limit_mb = config.memory_limit_mb or default_memory_limit_mb()
     threads = threads or config.threads
-    env = scrubbed_env(target.child_env(), threads=threads, seed=config.seed)
+    env = lab_env(config, target.name, threads)
     before = {side: snapshot_tree(w.root) for side, w in (("baseline", baseline), ("candidate", candidate))}
     with scratch_dir("trainbridge-run-region-") as tmp_dir:
         request = {"backend": target.name, "threads": threads, "seed": config.seed, "budget_s": budget_s,
@@ -156,6 +156,11 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
         return _timing(payload, threads, started, isolation.isolated).model_copy(update=spawned)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a malformed result never rejects: the gate decides
         return unisolated(f"the region child's result is malformed ({type(exc).__name__}: {exc})")
+
+
+def lab_env(config, backend: str, threads: int | None = None) -> dict[str, str]:
+    """The region child's environment (`threads`: the lab's, `LAB_THREADS` by default)."""
+    return scrubbed_env(Backend(backend).child_env(), threads=threads or LAB_THREADS, seed=config.seed)
 
 
 def _timing(payload: dict, threads: int, started: float, network_isolated: bool) -> RegionTiming:
