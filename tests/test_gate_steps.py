@@ -19,6 +19,7 @@ def test_long_steps_are_cut_to_a_second_of_measured_time_and_short_or_unknown_on
     assert gate_steps(20, 0.05) == 16  # 0.8 s of measured time
     assert gate_steps(20, 5.0) == MIN_MEASURED_STEPS  # never fewer
     assert gate_steps(4, 5.0) == 4  # never more than the workload asks
+    assert gate_steps(20, 0.8 / 6.5) == 8  # cut to an even count (7 would do): alternating steps get their middle
 
 
 def test_the_judge_sizes_the_gates_children_by_the_runs_baseline_step(monkeypatch, tmp_path):

@@ -47,14 +47,18 @@ def synthetic_rounds(rng: random.Random, n: int, factor: float, noise: float = 0
 
 # --- stats ------------------------------------------------------------------------------------
 
-def test_a_round_level_is_the_mean_of_the_faster_half_of_its_steps():
-    assert round_level([5.0, 1.0, 3.0, 100.0]) == 2.0  # an interrupted step (100) never counts
-    assert round_level([1.0, 2.0, 9.0]) == 1.5  # odd: the middle step is in the faster half
+def test_a_round_level_is_the_median_of_its_steps_and_alternating_fast_and_slow_steps_gain_nothing():
+    assert round_level([5.0, 1.0, 3.0, 100.0]) == 4.0  # an interrupted step (100) does not move it far
     assert round_level([4.0]) == 4.0
+    # a candidate that defers every odd step's optimizer update to the next step keeps every loss and
+    # parameter change: half its steps are fast, half slow by as much. Its rounds must read as the honest cost
+    # (a faster-half mean would read 0.8 here)
+    honest, deferring = [1.0] * 6, [0.8, 1.2, 0.8, 1.2, 0.8, 1.2]
+    assert paired_ratios([honest, honest], [deferring, list(reversed(deferring))]) == [pytest.approx(1.0)] * 2
 
 
-def test_paired_ratios_are_ratios_of_round_levels():
-    assert paired_ratios([[1.0, 2.0, 9.0], [4.0]], [[0.75, 0.75, 30.0], [2.0]]) == [0.5, 0.5]
+def test_paired_ratios_are_ratios_of_round_medians():
+    assert paired_ratios([[1.0, 2.0, 9.0], [4.0]], [[1.0, 1.0, 1.0], [2.0]]) == [0.5, 0.5]
     with pytest.raises(ValueError, match="unpaired"):
         paired_ratios([[1.0]], [[1.0], [1.0]])
     with pytest.raises(ValueError, match="no step-time samples"):

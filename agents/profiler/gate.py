@@ -24,8 +24,7 @@
    numerics are the verdict's numerics; with
    ``emulated_speed`` (NPU emulation on a host without an NPU) the gate stops after it:
    ``speed_unmeasured_numerics_ok``.
-4. **Decision** on the per-round levels of the parent-timed measured steps (the mean of each side's
-   faster half: `stats.round_level`), by the sequential
+4. **Decision** on the per-round medians of the parent-timed measured steps, by the sequential
    rule (`sequential.SequentialGate`): a look at 6, 8, 10, ... rounds up to ``max_rounds`` (the
    first decides only when all its rounds agree, the later ones share the rest of the error
    budget), stopping at the first look that decides either way or shows the rest cannot
@@ -108,15 +107,17 @@ def gate_steps(configured: int, step_s: float | None) -> int:
     (4 steps lose power for a slowdown: 81%). Unknown step time (tests, benchmarks): the workload's `steps`."""
     if step_s is None or not step_s > 0 or configured <= MIN_MEASURED_STEPS:
         return configured
-    return max(MIN_MEASURED_STEPS, min(configured, math.ceil(MEASURED_S_PER_CHILD / step_s)))
+    wanted = math.ceil(MEASURED_S_PER_CHILD / step_s)
+    wanted += wanted % 2  # an even count: a candidate alternating fast and slow steps gets their middle (stats.round_level)
+    return max(MIN_MEASURED_STEPS, min(configured, wanted))
 
 
 def gate_warmup(warmup: int, numerics_steps: int) -> int:
     """The untimed steps a gate child runs after its probe: the workload's warm-up less the probe's
     own full training steps (they warm the same caches, allocator and optimizer state). None are left
     when the probe covers the warm-up: a first timed step that is still a little slow (gpt2: 1.06 times
-    the others' median, over 14 children) lands in the slower half of the child's steps, which the
-    round's level leaves out (`stats.round_level`)."""
+    the others' median, over 14 children) hardly moves the median of the child's steps, and falls on
+    both sides of a round alike."""
     return max(0, warmup - numerics_steps)
 
 

@@ -6,16 +6,14 @@ The design, and why:
   fresh child per side per round; under the CPU default the two children of a round are alive at
   once and their steps alternate (agents/profiler/gate.py), so round i's two sides ran
   milliseconds apart and the machine's drift (other jobs, thermal state) hits both alike. The
-  unit of evidence is the per-round ratio ``level(candidate steps of round i) / level(baseline
-  steps of round i)``, where a side's level is the mean of the faster half of its measured steps
-  (`round_level`). Step-time noise on a CPU host is one-sided: a page fault, a context switch or a
-  neighbour's burst only ever adds time, so the faster half is the step's own cost and the slower
-  half mostly interruptions. Re-deciding the recorded llama A/A rounds
-  (benchmarks/gate_settings.py --round-level, benchmarks/results/2026-12-02-round-level-llama.md),
-  the faster half's mean against the median (6 measured steps): A/A false accepts 1.7% against
-  3.0%, power for a 5% gain 99% against 95%, for a 2% gain 55% against 34%, for a 5% slowdown
-  95% against 94%. Under the null hypothesis the two sides of a round are exchangeable whatever
-  the statistic, so the signed-rank test below stays exact.
+  unit of evidence is the per-round ratio ``median(candidate steps of round i) / median(baseline
+  steps of round i)`` (`round_level`): the median inside a round discards single-step hiccups (a
+  page fault, a context switch). Not the mean of the faster half, though it decides better on
+  honest rounds (benchmarks/results/2026-12-02-round-level-llama.md): a candidate that defers each
+  odd step's optimizer update to the start of the next step keeps every loss and every parameter
+  change, makes half its steps fast and the other half slow by as much, and the faster half would
+  show the fast ones alone; the median of an even number of steps sits between them, at the honest
+  cost (`tests/test_profiler_gate.py`).
 - **Log scale.** Ratios are analysed as ``d_i = log(ratio_i)``, so 0.9x and 1/0.9x are symmetric
   and the result is a ratio again after ``exp``.
 - **Point estimate: the median of the d_i.** Robust to a round that a neighbour's job slowed
@@ -62,7 +60,7 @@ class SpeedDecision(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     outcome: SpeedOutcome
-    ratio: float = Field(description="median over rounds of candidate/baseline ratios of round levels (stats.round_level)")
+    ratio: float = Field(description="median over rounds of candidate/baseline ratios of round medians (stats.round_level)")
     ci_low: float
     ci_high: float
     confidence: float
@@ -85,10 +83,9 @@ class SpeedDecision(BaseModel):
 
 
 def round_level(samples: Sequence[float]) -> float:
-    """One side's step time in one round: the mean of the faster half of its measured steps (the
-    middle one included when their number is odd; see the module doc for why not the median)."""
-    ordered = sorted(samples)
-    return statistics.fmean(ordered[: (len(ordered) + 1) // 2])
+    """One side's step time in one round: the median of its measured steps (see the module doc for why
+    not the mean of their faster half)."""
+    return statistics.median(samples)
 
 
 def round_levels(rounds: Sequence[Sequence[float]]) -> list[float]:
@@ -102,7 +99,7 @@ def round_levels(rounds: Sequence[Sequence[float]]) -> list[float]:
 
 
 def paired_ratios(baseline_rounds: Sequence[Sequence[float]], candidate_rounds: Sequence[Sequence[float]]) -> list[float]:
-    """candidate/baseline ratio of round levels (`round_level`), round by round."""
+    """candidate/baseline ratio of round medians (`round_level`), round by round."""
     if len(baseline_rounds) != len(candidate_rounds):
         raise ValueError(f"unpaired rounds: {len(baseline_rounds)} baseline vs {len(candidate_rounds)} candidate")
     base, cand = round_levels(baseline_rounds), round_levels(candidate_rounds)
