@@ -128,12 +128,13 @@ def _server_starter(ctx: RunContext, head: Path):
     phases are over (its compile reference takes a minute or more: their imports overlap it)."""
     from trainbridge.agents.profiler.judge import ready_servers
 
-    done: list[bool] = []
+    started = False
 
     def on_phase(phase: str) -> None:
-        if done or phase in _MEASURED_PHASES:
+        nonlocal started
+        if started or phase in _MEASURED_PHASES:
             return
-        done.append(True)
+        started = True
         launched = ready_servers(head, target=ctx.config.target, launch=ctx.config.launch)
         if launched:
             ctx.say(f"starting {launched} fork server(s) for the gate in the background")

@@ -265,10 +265,12 @@ class ForkPool:
         key = _env_key(env)
         try:
             server = self.servers.pop(key, None)
-            if server is not None and not server.ready:
-                with contextlib.suppress(ForkServerError):  # launched ahead (`prestart`): started again below if it failed
-                    server.await_ready()
-            if server is not None and (not server.ready or server.process.poll() is not None):
+            if server is not None:
+                try:
+                    server.await_ready()  # at once when ready; one launched ahead (`prestart`) that failed is stopped
+                except ForkServerError:
+                    server = None  # and started again below
+            if server is not None and server.process.poll() is not None:
                 server.close()
                 server = None
             if server is None:
@@ -296,9 +298,8 @@ class ForkPool:
             self._make_room()
             try:
                 self.servers[key] = ForkServer.launch(self.prefix, env, self.scratch)
-            except ForkServerError as exc:
-                self.fallbacks.append(f"prestart: {exc}"[:500])
-                continue
+            except ForkServerError:
+                continue  # the first fork for this environment starts it, and records why when it cannot
             launched += 1
         return launched
 
@@ -354,7 +355,6 @@ def prestart(envs: Iterable[dict[str, str]], *, backend: str, work_dir: Path | N
             return 0
     except ValueError:  # a bad TRAINBRIDGE_GATE_SPAWN: the gate itself says so
         return 0
-    proc_watch.become_subreaper()
     wanted = list({_env_key(env): env for env in envs}.values())[:WARM_SERVERS]
     return _warm_pool(tuple(network_isolation().prefix), work_dir).prestart(wanted)
 

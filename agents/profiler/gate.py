@@ -412,11 +412,16 @@ def drift_key(baseline: Workload, backend: str, extra_env: dict[str, str] | None
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def drift_threads(threads: int) -> int:
+    """The thread count of the drift's reference child, for a baseline that runs on `threads`."""
+    return 1 if threads > 1 else 2
+
+
 def measure_drift(baseline: Workload, base: SideRun, inputs: RoundInputs, tolerance: NumericsTolerance, *, backend: str,
                   extra_env: dict[str, str] | None, work_dir: Path | None) -> GateDrift:
     """The baseline once more on the round's inputs under another thread count: its drift from itself
     widens the tolerances (agents/profiler/drift.py)."""
-    threads = 1 if baseline.config.threads > 1 else 2
+    threads = drift_threads(baseline.config.threads)
     ref = run_side(baseline.with_overrides(threads=threads), inputs, backend=backend, extra_env=extra_env, work_dir=work_dir,
                    label="reference")
     if ref.run.failure is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainbridge.agents.profiler.gate import gate_steps, run_gate
+from trainbridge.agents.profiler.gate import drift_threads, gate_steps, run_gate
 from trainbridge.agents.profiler.numerics import NumericsTolerance
 from trainbridge.agents.profiler.region_lab import lab_enabled, lab_env, region_verdict, time_region
 from trainbridge.agents.profiler.verdict import Verdict
@@ -47,9 +47,8 @@ def ready_servers(baseline_root: Path, *, target: str, launch: str | None = None
     if baseline.config.mode != "entry" or not speed_measurable(target):
         return 0
     base_env = fork_server.prewarm_env((baseline.root,))
-    drift_threads = 1 if baseline.config.threads > 1 else 2  # gate.measure_drift's reference child
     envs = [child_env(baseline.config, target, base_env),
-            child_env(baseline.with_overrides(threads=drift_threads).config, target, base_env)]
+            child_env(baseline.with_overrides(threads=drift_threads(baseline.config.threads)).config, target, base_env)]
     if lab_enabled():
         envs.append(lab_env(baseline.config, target))
     return fork_server.prestart(envs, backend=target)
