@@ -1,5 +1,5 @@
 """`python -m trainbridge` runs the command line."""
 
-from trainbridge.graph.cli import main
+from trainbridge.graph.cli.app import main
 
 main()

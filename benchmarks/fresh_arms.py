@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from trainbridge.agents.profiler.stats import paired_ratio_ci, paired_ratios
-from trainbridge.sandbox import fork_server
+from trainbridge.sandbox.child import fork_server
 from trainbridge.sandbox.runner import run_workload
 from trainbridge.sandbox.workload import Workload, load_workload
 

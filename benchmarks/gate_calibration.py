@@ -48,8 +48,8 @@ from trainbridge.agents.profiler.gate import PAIRINGS, PROBE_STEPS, RoundInputs,
 from trainbridge.agents.profiler.quiet import busy_rounds
 from trainbridge.agents.profiler.sequential import FUTILITY_POWER, look_levels, looks, replay
 from trainbridge.agents.profiler.stats import SpeedOutcome, decide_speed
-from trainbridge.sandbox import fork_server
-from trainbridge.sandbox.fork_server import SPAWN_KINDS, default_spawn
+from trainbridge.sandbox.child import fork_server
+from trainbridge.sandbox.child.fork_server import SPAWN_KINDS, default_spawn
 from trainbridge.sandbox.workload import Workload, load_workload
 
 HERE = Path(__file__).resolve().parent

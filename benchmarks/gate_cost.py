@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from trainbridge.agents.profiler.gate import PROBE_STEPS, RoundInputs, run_pair, run_side
-from trainbridge.sandbox import fork_server
+from trainbridge.sandbox.child import fork_server
 from trainbridge.sandbox.workload import load_workload
 
 HERE = Path(__file__).resolve().parent

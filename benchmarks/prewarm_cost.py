@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from trainbridge.agents.profiler.gate import PROBE_STEPS, RoundInputs, run_pair
-from trainbridge.sandbox import fork_server
+from trainbridge.sandbox.child import fork_server
 from trainbridge.sandbox.workload import load_workload
 
 ROOT = Path(__file__).resolve().parent.parent

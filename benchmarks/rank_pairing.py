@@ -26,7 +26,7 @@ from pathlib import Path
 
 from trainbridge.agents.profiler import gate
 from trainbridge.sandbox.workload import load_workload
-from trainbridge.tests.script_mode_support import ddp_repo
+from script_repos import ddp_repo
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rank_pairing.json"
 

@@ -36,7 +36,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from trainbridge.agents.analyst.static.scan import scan_repo
 from trainbridge.records import Intent
-from trainbridge.tests.recipe_support import REAL_STYLE, RECIPES, Case, Lab, apply_case, assert_within, compare
+from recipe_lab import REAL_STYLE, RECIPES, Case, Lab, apply_case, assert_within, compare
 from trainbridge.tools.codemods import scopes
 
 RESULTS = Path(__file__).resolve().parent / "results"

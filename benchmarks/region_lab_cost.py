@@ -24,8 +24,8 @@ from pathlib import Path
 
 from trainbridge.agents.profiler.region_lab import time_region
 from trainbridge.records import SourceSpan
-from trainbridge.sandbox import fork_server
-from trainbridge.sandbox.fork_server import SPAWN_ENV, SPAWN_KINDS
+from trainbridge.sandbox.child import fork_server
+from trainbridge.sandbox.child.fork_server import SPAWN_ENV, SPAWN_KINDS
 
 HERE = Path(__file__).resolve().parent
 RMSNORM = "return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight"

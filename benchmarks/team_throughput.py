@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/team_throughput.py                          # 6 candidates, slots 1 and 2
     .venv/bin/python benchmarks/team_throughput.py --candidates 2 --rounds 2  # a smoke run (a few minutes)
 
-What it measures: the same stream of gates the loop's batch path sends (graph/fanout.py), without
+What it measures: the same stream of gates the loop's batch path sends (graph/team/fanout.py), without
 the rest of the loop. Each candidate is a copy of the workload (default benchmarks/workloads/mlp)
 with a planted 10% slowdown, judged against the workload by the real gate (numerics + interleaved
 timing) in a process pinned to one slot (graph/gate_jobs.judge_on_slot), exactly as `trainbridge run
@@ -42,8 +42,8 @@ SLOWDOWN = 0.10
 
 def judge_stream(baseline: Path, candidates: list[Path], slots: int, rounds: int) -> dict:
     """Judge every candidate against `baseline` with `slots` gates at once; wall time and verdicts."""
-    from trainbridge.graph.devices import host_slots
-    from trainbridge.graph.gate_jobs import GateJob, judge_on_slot
+    from trainbridge.graph.team.devices import host_slots
+    from trainbridge.graph.team.gate_jobs import GateJob, judge_on_slot
 
     free: queue.Queue = queue.Queue()
     for slot in host_slots(f"cpu:{slots}", target="cpu"):

@@ -33,7 +33,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # the sibling benchmar
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from trainbridge.agents.profiler.gate import PROBE_STEPS, RoundInputs, run_pair  # noqa: E402
-from trainbridge.sandbox import fork_server  # noqa: E402
+from trainbridge.sandbox.child import fork_server  # noqa: E402
 from trainbridge.sandbox.workload import load_workload  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -12,7 +12,8 @@ from typing import Any
 from langgraph.graph import END, START, StateGraph
 from langgraph.types import RetryPolicy
 
-from trainbridge.graph import fanout, nodes
+from trainbridge.graph import nodes
+from trainbridge.graph.team import fanout
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.state import RunState
 
@@ -57,7 +58,7 @@ def build_graph(context_schema: type = RunContext) -> StateGraph:
     graph.add_node("profiler", timed("profiler", nodes.profiler), retry_policy=_RETRY)
     graph.add_node("decide", timed("decide", nodes.decide), retry_policy=_RETRY)
     graph.add_node("report", timed("report", nodes.report))
-    # parallel gates (--devices, --ray): graph/fanout.py; a gate's time counts as the profiler's (budget stops)
+    # parallel gates (--devices, --ray): graph/team/fanout.py; a gate's time counts as the profiler's (budget stops)
     graph.add_node("batch", timed("batch", fanout.batch), retry_policy=_RETRY)
     graph.add_node("gate", timed("profiler", fanout.gate), retry_policy=_RETRY)
     graph.add_node("merge", timed("merge", fanout.merge), retry_policy=_RETRY)

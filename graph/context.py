@@ -31,12 +31,12 @@ class RunContext:
 
     @cached_property
     def user_repo(self):
-        from trainbridge.tools.git_ops import open_repo
+        from trainbridge.tools.git.ops import open_repo
 
         return open_repo(Path(self.config.repo))
 
     def workspace(self, base: str = "HEAD"):
-        from trainbridge.tools.git_ops import RunWorkspace
+        from trainbridge.tools.git.ops import RunWorkspace
 
         root = Path(self.config.workspace_dir) if self.config.workspace_dir else self.paths.workspace
         return RunWorkspace.create_run(self.user_repo, self.config.run_id, base, workspace_root=root)

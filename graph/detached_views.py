@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainbridge.tools.git_ops import run_git as _git  # the one git runner: hooks off (no post-checkout here)
+from trainbridge.tools.git.ops import run_git as _git  # the one git runner: hooks off (no post-checkout here)
 
 
 def detached_view(workspace, name: str, sha: str) -> Path:

@@ -21,7 +21,7 @@ from trainbridge.agents.retrieval.choose import choose_intent, intent_coverage
 from trainbridge.graph import npu_pending
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.detached_views import detached_view, remove_view
-from trainbridge.graph.devices import parallel_gates
+from trainbridge.graph.team.devices import parallel_gates
 from trainbridge.graph.npu_port import port_to_npu
 from trainbridge.graph.review import REVIEW_SCHEMA_VERSION, ReviewDecision, review_payload
 from trainbridge.graph.state import RunState
@@ -62,7 +62,7 @@ def prepare(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
 
 def _determinism(workload: Workload, measured, ctx: RunContext) -> dict[str, Any]:
     """The baseline run once more with the same seed, its losses compared with `measured`'s."""
-    from trainbridge.sandbox.script_determinism import check_repeatable
+    from trainbridge.sandbox.script.determinism import check_repeatable
 
     try:
         report = check_repeatable(workload, backend=ctx.config.target, first=measured)

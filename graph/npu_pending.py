@@ -18,7 +18,7 @@ def pending_head(ctx: RunContext, workspace) -> str | None:
     branch: later candidates start from its content so the rewrites stack (and verify replays them)."""
     if not (ctx.config.target == "npu" and npu_emulated()):
         return None
-    from trainbridge.tools.git_ops import side_branch_name
+    from trainbridge.tools.git.ops import side_branch_name
 
     return workspace.ref_sha(side_branch_name(ctx.config.run_id, "pending-npu"))
 
@@ -27,7 +27,7 @@ def stack_on_pending(ctx: RunContext, workspace, candidate: Candidate) -> tuple[
     """Put the candidate's tree (run head + earlier pending rewrites + this one, see `make_candidate`'s
     overlay) on the pending branch as one commit whose parent is the pending head, so each pending
     commit holds exactly one rewrite. Idempotent: a resumed decide finds the tree already there."""
-    from trainbridge.tools.git_ops import side_branch_name
+    from trainbridge.tools.git.ops import side_branch_name
 
     branch = side_branch_name(ctx.config.run_id, "pending-npu")
     repo = workspace.repo.root

@@ -16,7 +16,7 @@ def port_to_npu(ctx: RunContext, workspace) -> dict[str, Any]:
     `import torch_npu`). Not a speed candidate: it is what makes the program run on the target at all,
     and the baseline below is measured on it. Idempotent: a re-run finds nothing left to port."""
     from trainbridge.tools.porting import port_repo
-    from trainbridge.tools.porting_cli import write_port
+    from trainbridge.tools.porting.cli import write_port
 
     cand = workspace.start_candidate(PORT_CANDIDATE)
     result = port_repo(Path(cand.path))

@@ -18,9 +18,9 @@ class RunInputError(ValueError):
 def check_run_input(config: RunConfig, env: Mapping[str, str] | None = None) -> list[str]:
     """Raise RunInputError for input the run would fail on later; return notes worth showing. `env`:
     where the LLM settings are read (default os.environ, as the run reads them)."""
-    from trainbridge.agents.coder.llm_config import LLMConfig, LLMConfigError
+    from trainbridge.agents.coder.llm.config import LLMConfig, LLMConfigError
     from trainbridge.sandbox.workload import CONFIG_FILE, WorkloadConfigError
-    from trainbridge.tools.git_ops import GitOpsError, open_repo, run_git_status
+    from trainbridge.tools.git.ops import GitOpsError, open_repo, run_git_status
 
     repo = Path(config.repo).expanduser()
     if not repo.exists():
@@ -42,8 +42,8 @@ def check_run_input(config: RunConfig, env: Mapping[str, str] | None = None) -> 
     except WorkloadConfigError as exc:
         raise RunInputError(str(exc)) from None
     if workload.config.mode == "script":
-        from trainbridge.sandbox.script_launch import LaunchError
-        from trainbridge.sandbox.script_run import launch_problem
+        from trainbridge.sandbox.script.launch import LaunchError
+        from trainbridge.sandbox.script.run import launch_problem
 
         try:
             problem = launch_problem(workload)

@@ -99,7 +99,7 @@ def measured_so_far(state: dict[str, Any]) -> dict[str, Any]:
 def apply_edit(workspace, candidate, patch: str):
     """Replace the candidate's change by the reviewer's patch (against the run head) and re-commit."""
     from trainbridge.agents.coder.candidate import Candidate
-    from trainbridge.tools.git_ops import run_git_status
+    from trainbridge.tools.git.ops import run_git_status
 
     cand = workspace.start_candidate(candidate.name)  # reset to the run head
     with tempfile.NamedTemporaryFile("w", suffix=".patch", delete=False) as handle:

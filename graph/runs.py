@@ -151,9 +151,9 @@ def run_lock(paths: RunPaths) -> Iterator[None]:
 
 
 def _invoke(config: RunConfig, paths: RunPaths, payload: Any, say: Callable[[str], None]) -> RunOutcome:
-    from trainbridge.agents.coder.llm_config import LLMConfig
+    from trainbridge.agents.coder.llm.config import LLMConfig
 
-    from trainbridge.sandbox import fork_server
+    from trainbridge.sandbox.child import fork_server
     from trainbridge.sandbox.scratch import sweep_stale
 
     context = RunContext(config=config, paths=paths, say=say, llm=LLMConfig.from_env(os.environ))

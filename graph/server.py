@@ -210,7 +210,7 @@ def _write(path, text: str) -> None:
 def _llm():
     import os
 
-    from trainbridge.agents.coder.llm_config import LLMConfig
+    from trainbridge.agents.coder.llm.config import LLMConfig
 
     return LLMConfig.from_env(os.environ)
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from typing_extensions import TypedDict  # pydantic (the LangGraph server's schema export) needs it on Python < 3.12
 
-from trainbridge.tools.git_names import check_run_id
+from trainbridge.tools.git.names import check_run_id
 
 
 
@@ -85,14 +85,14 @@ class RunConfig(BaseModel):
     @classmethod
     def _devices(cls, value: str | None) -> str | None:
         if value is not None:
-            from trainbridge.graph.devices import parse_devices
+            from trainbridge.graph.team.devices import parse_devices
 
             parse_devices(value)  # raises ValueError with the syntax
         return value
 
     @model_validator(mode="after")
     def _review_one_at_a_time(self) -> "RunConfig":
-        from trainbridge.graph.devices import slot_count
+        from trainbridge.graph.team.devices import slot_count
 
         if self.review and (self.ray is not None or slot_count(self.devices) > 1):
             raise ValueError("--review pauses at every patch, one at a time: leave out --devices/--ray for a reviewed run")
@@ -135,7 +135,7 @@ class RunState(TypedDict, total=False):
     report_paths: list[str]
     final_comparison: dict[str, Any] | None  # agents.profiler.final.FinalComparison, written by the report node
     intent_coverage: dict[str, Any] | None  # agents.retrieval.choose.IntentCoverage.as_record(), written by the report node
-    # parallel gates (graph/fanout.py): the intents being worked, the batch being judged and against which head,
+    # parallel gates (graph/team/fanout.py): the intents being worked, the batch being judged and against which head,
     # the verdicts of its gates (any order; None resets), whether the last merge moved the run branch
     parallel: bool  # gates side by side (--devices with more than one slot, or --ray): the batch path
     lanes: list[dict[str, Any]]

@@ -121,7 +121,7 @@ def _verify(config, paths, availability, *, gate, rounds, min_gain, confidence, 
     if pending_head is None:
         say(f"nothing to verify: {side} does not exist")
         return report
-    from trainbridge.tools.git_ops import commits
+    from trainbridge.tools.git.ops import commits
 
     pending = list(reversed(commits(workspace.repo.root, pending_head, "--not", head_before)))
     known = _known_candidates(run_id, root)
@@ -149,7 +149,7 @@ def _replay(workspace, commit, known: dict[str, dict], knowledge, *, backend: st
             min_gain: float, say, workload=None) -> ReplayOutcome:
     from trainbridge.agents.profiler.gate import GateError, run_gate
     from trainbridge.sandbox.workload import load_workload
-    from trainbridge.tools.git_ops import NothingToAccept
+    from trainbridge.tools.git.ops import NothingToAccept
 
     workload = workload or load_workload  # the run's own way of loading a worktree (RunConfig.workload)
 
@@ -209,7 +209,7 @@ def replay_name(original: str | None, sha: str) -> str:
 
 def _cherry_pick(path: Path, sha: str, identity) -> tuple[bool, str]:
     """Apply `sha`'s change to the candidate worktree without committing; undo it all on failure."""
-    from trainbridge.tools.git_ops import run_git_status
+    from trainbridge.tools.git.ops import run_git_status
 
     status, _, err = run_git_status(path, "cherry-pick", "--no-commit", sha, identity=identity)
     if status == 0:
@@ -226,7 +226,7 @@ def _cherry_pick(path: Path, sha: str, identity) -> tuple[bool, str]:
 
 
 def _open_workspace(context):
-    from trainbridge.tools.git_ops import RunWorkspace, ref_sha, run_branch_name
+    from trainbridge.tools.git.ops import RunWorkspace, ref_sha, run_branch_name
 
     repo = context.user_repo
     branch = run_branch_name(context.config.run_id)

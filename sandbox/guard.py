@@ -16,9 +16,9 @@ CLOCKS = ("time.perf_counter", "time.perf_counter_ns", "time.monotonic", "time.m
           "time.process_time", "time.thread_time")
 DEVICE = ("torch.cuda.synchronize", "torch.cuda.Event", "torch.Tensor.item", "torch.Tensor.backward", "torch.autograd.backward",
           "torch.set_num_threads", "torch.get_num_threads", "torch.manual_seed", "torch.npu.synchronize")
-HARNESS_MODULES = ("trainbridge.sandbox.harness", "trainbridge.sandbox.step_server", "trainbridge.sandbox.channel",
+HARNESS_MODULES = ("trainbridge.sandbox.harness", "trainbridge.sandbox.child.step_server", "trainbridge.sandbox.child.channel",
                    "trainbridge.sandbox.numerics_probe", "trainbridge.sandbox.backends", "trainbridge.sandbox.guard",
-                   "trainbridge.sandbox.script_hooks", "trainbridge.sandbox.script_overrides")  # the last two: script mode
+                   "trainbridge.sandbox.script.hooks", "trainbridge.sandbox.script.overrides")  # the last two: script mode
 
 
 def _resolve(dotted: str) -> Any:

@@ -4,7 +4,7 @@ It lives outside the repository under test. Two ways in:
 
 - ``--channel R,W`` (timed runs: modes "measure" and "gate"): the request and then one command at a
   time arrive over a pipe from the parent, which times every step with its own clock
-  (sandbox/step_server.py, sandbox/step_driver.py); the child's own clock is only a cross-check.
+  (sandbox/child/step_server.py, sandbox/child/step_driver.py); the child's own clock is only a cross-check.
   Nothing on the command line, in the environment or in files tells a gate child which round it
   is in.
 - ``REQUEST.json [MODE]`` (analysis modes: profile, capture, numerics, npu_profile): reads a JSON
@@ -117,7 +117,7 @@ def run_mode(mode: str, parts: dict[str, Any], backend, request: dict[str, Any],
         result.setdefault("extra", {})["eager_ops"] = table.model_dump(mode="json")
         result["extra"]["optimizer_class"] = type(parts["optimizer"]).__name__
     elif mode == "capture":
-        from trainbridge.tools.inductor_capture import capture_inductor_evidence
+        from trainbridge.tools.inductor.capture import capture_inductor_evidence
 
         out_dir = capture_inductor_evidence(parts, Path(request["evidence_dir"]), steps=max(steps, 2), repo_root=Path(request["root"]),
                                             timed_steps=int(request.get("timed_steps", 0)))
@@ -127,7 +127,7 @@ def run_mode(mode: str, parts: dict[str, Any], backend, request: dict[str, Any],
 
         result.setdefault("extra", {})["numerics"] = run_numerics(parts, backend, request)
     elif mode == "npu_profile":
-        from trainbridge.tools.npu_profile_capture import profile_npu_step
+        from trainbridge.tools.npu_profile.capture import profile_npu_step
 
         capture = profile_npu_step(parts, Path(request["profile_dir"]), Path(request["root"]), steps=steps, warmup=warmup,
                                    attribution=bool(request.get("attribution", False)), sync=backend.sync)
@@ -234,7 +234,7 @@ def execute_channel(channel) -> None:
     workload's faults: the last message is always {"op": "result", ...}."""
     from trainbridge.sandbox.backends import Backend
     from trainbridge.sandbox.guard import Guard
-    from trainbridge.sandbox.step_server import StepServer
+    from trainbridge.sandbox.child.step_server import StepServer
 
     request = channel.recv()
     result: dict[str, Any] = {"op": "result", "versions": {}, "failure": None}
@@ -275,7 +275,7 @@ def execute_channel(channel) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "--channel":
-        from trainbridge.sandbox.channel import Channel
+        from trainbridge.sandbox.child.channel import Channel
 
         read_fd, write_fd = (int(fd) for fd in argv[1].split(","))
         execute_channel(Channel(read_fd, write_fd))

@@ -1,8 +1,8 @@
 """The sandbox's loopback: torchrun's rendezvous over 127.0.0.1 inside the sandbox's own network namespace (runs INSIDE the sandbox).
 
 `unshare --net` gives a sandbox child an empty network namespace whose loopback interface is down;
-a torch.distributed process group (one torchrun worker: sandbox/script_launcher.py; several ranks:
-sandbox/rank_supervisor.py) needs it up, and a free port on it for MASTER_PORT. Standard library only.
+a torch.distributed process group (one torchrun worker: sandbox/script/launcher.py; several ranks:
+sandbox/child/rank_supervisor.py) needs it up, and a free port on it for MASTER_PORT. Standard library only.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from trainbridge.sandbox.backends import npu_selection
 from trainbridge.sandbox.runner import run_workload
-from trainbridge.tools.npu_profile_capture import NpuProfileCapture
+from trainbridge.tools.npu_profile.capture import NpuProfileCapture
 
 
 class NpuProfileUnavailable(RuntimeError):

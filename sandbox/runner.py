@@ -5,10 +5,10 @@ process group (killed as a whole on timeout), under an address-space cap, with a
 environment and, where the host allows, no network.
 
 Script-mode runs (`launch = "python train.py ..."`) are driven the same way, by the launcher of
-sandbox/script_launcher.py (sandbox/script_run.py prepares them).
+sandbox/script/launcher.py (sandbox/script/run.py prepares them).
 
 Timed entry-mode runs (modes "measure" and "gate") are driven step by step over a control channel
-and timed on this process's clock (sandbox/step_driver.py); analysis modes exchange a request and a
+and timed on this process's clock (sandbox/child/step_driver.py); analysis modes exchange a request and a
 result file with the harness.
 """
 
@@ -24,14 +24,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trainbridge.sandbox import fork_server, proc_watch, script_run
+from trainbridge.sandbox import proc_watch
+from trainbridge.sandbox.child import fork_server
+from trainbridge.sandbox.script import run as script_run
 from trainbridge.sandbox.backends import Backend, npu_selection
 from trainbridge.sandbox.command_mode import parse_command_output
 from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory, network_isolation, scrubbed_env
 from trainbridge.sandbox.npu_emulation import selection_env
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
 from trainbridge.sandbox.scratch import scratch_dir
-from trainbridge.sandbox.step_driver import ChildSpec, DriveOutcome, StepPlan, drive, drive_pair
+from trainbridge.sandbox.child.step_driver import ChildSpec, DriveOutcome, StepPlan, drive, drive_pair
 from trainbridge.sandbox.workload import Workload
 
 ProgressCallback = Callable[[int, int], None]  # (steps done, steps total)
@@ -122,7 +124,7 @@ def run_workload_pair(
     orphans_to: int = 1,
     work_dir: Path | None = None,
 ) -> tuple[RunResult, RunResult]:
-    """Two gate children alive at once, their timed steps alternated (sandbox/step_driver.py,
+    """Two gate children alive at once, their timed steps alternated (sandbox/child/step_driver.py,
     `drive_pair`); `workloads[0]` leads. Never raises for the workloads' faults: when one child's
     fault ends the pair, the other's result is a failure marked `interrupted`."""
     target = Backend(backend)
@@ -162,7 +164,7 @@ def run_workload_pair(
 
 def child_env(config, backend: str, extra_env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a child of a workload with `config` gets on `backend` (a fork server serves the
-    children whose environment is its own: sandbox/fork_server.py)."""
+    children whose environment is its own: sandbox/child/fork_server.py)."""
     return _child_env(config, Backend(backend), extra_env)
 
 
@@ -200,7 +202,7 @@ def _with_tails(base: RunResult, tmp_dir: Path) -> RunResult:
 
 def _run_script(workload: Workload, target: Backend, mode: str, plan: StepPlan | None, env: dict[str, str], isolation,
                 memory_limit_mb: int, tmp_dir: Path, extra_request: dict[str, Any] | None, on_progress) -> RunResult:
-    """Script mode (sandbox/script_run.py): the user's script under sandbox/script_launcher.py, driven like entry mode."""
+    """Script mode (sandbox/script/run.py): the user's script under sandbox/script/launcher.py, driven like entry mode."""
     built = _script_child(workload, target, mode, plan, extra_request, env, isolation, memory_limit_mb, tmp_dir)
     if isinstance(built, RunResult):
         return built
@@ -228,11 +230,11 @@ def _script_child(workload: Workload, target: Backend, mode: str, plan: StepPlan
         raise ValueError("mode 'gate' needs a StepPlan (its batch indices, probe and parameter deltas)")
     if mode == "profile":
         plan, setup.request["profile"] = script_run.profile_plan(config.warmup_steps, config.steps)
-    if mode == "capture":  # the torch.compile reference over the script's own steps (sandbox/script_capture.py)
+    if mode == "capture":  # the torch.compile reference over the script's own steps (sandbox/script/capture.py)
         plan, setup.request["capture"] = script_run.capture_plan(config.steps, int(setup.request.get("timed_steps", 0)))
     plan = plan or StepPlan.sequential(config.warmup_steps, config.steps)
     base.warmup_steps = len(plan.warmup)
-    ranks = setup.spec.nproc  # torchrun --nproc_per_node N > 1: the rank supervisor starts N launchers (sandbox/rank_group.py)
+    ranks = setup.spec.nproc  # torchrun --nproc_per_node N > 1: the rank supervisor starts N launchers (sandbox/child/rank_group.py)
     module = script_run.RANKS_MODULE if ranks > 1 else script_run.LAUNCHER_MODULE
     spec = ChildSpec(argv=[*isolation.prefix, sys.executable, "-m", module], request=setup.request, plan=plan,
                      cwd=setup.run_dir.cwd, env=env, preexec_fn=limit_memory(memory_limit_mb), timeout_s=config.timeout_s,

@@ -3,7 +3,7 @@
 Three modes:
 
 - ``launch = "python train.py --max_iters=100"`` (script mode, the normal way). The script runs
-  unmodified in the sandbox from a launcher outside the repository (sandbox/script_launcher.py):
+  unmodified in the sandbox from a launcher outside the repository (sandbox/script/launcher.py):
   optimizer-step hooks mark the steps, ``backward()`` gives the loss, every seeding call the
   script makes gets the gate's seed (or one derived from it and the script's own value), and the
   program is stopped after the planned steps. The seed controls the script's data order; the batch
@@ -11,7 +11,7 @@ Three modes:
 
   - ``data = ["data/", "meta.pkl"]``: paths (relative to the repository root) that the script
     reads but git ignores; each run sees the user's checkout's copies through symlinks,
-    read-only (sandbox/script_files.py). The run's working directory is a scratch folder that
+    read-only (sandbox/script/files.py). The run's working directory is a scratch folder that
     mirrors the worktree, so files the script writes (checkpoints, logs) land there.
   - ``[overrides]``: shrink a run without editing the repository. Key syntax:
 
@@ -47,7 +47,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from trainbridge.sandbox.script_launch import LaunchError, parse_launch
+from trainbridge.sandbox.script.launch import LaunchError, parse_launch
 
 CONFIG_FILE = "trainbridge.toml"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import git
 import pytest
 
-from trainbridge.tools.git_ops import RunWorkspace, open_repo
+from trainbridge.tools.git.ops import RunWorkspace, open_repo
 
 
 MODEL = "import torch\n\n\ndef rms(x):\n    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)\n"

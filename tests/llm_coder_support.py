@@ -16,10 +16,10 @@ import git
 import pytest
 from pydantic import SecretStr
 
-from trainbridge.agents.coder import llm_client
-from trainbridge.agents.coder.llm_config import LLMConfig
+from trainbridge.agents.coder.llm import client as llm_client
+from trainbridge.agents.coder.llm.config import LLMConfig
 from trainbridge.records import Evidence, Intent, IntentCategory, IntentSource, SourceSpan
-from trainbridge.tools.git_ops import RunWorkspace, open_repo
+from trainbridge.tools.git.ops import RunWorkspace, open_repo
 
 
 MODEL = '''\

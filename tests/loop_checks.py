@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from trainbridge.knowledge.store import KnowledgeBase
-from trainbridge.sandbox.fork_child import CHILD_NAME
+from trainbridge.sandbox.child.fork_child import CHILD_NAME
 from trainbridge.tests.loop_fixtures import git
 
 REJECT_REASON = "keep the hand-written form here: it is the reference for a paper figure"

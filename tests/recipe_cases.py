@@ -1,11 +1,11 @@
 """The recipe cases: every seed recipe applied to real code (a bundled example, a differently written
 variant under tests/fixtures/recipe_variants/, or a runnable real-style program under
 tests/fixtures/real_style/runnable/), plus code that only looks similar and the documented traps put
-back into a recipe. Data for tests/test_recipes.py; the Case record is in tests/recipe_support.py."""
+back into a recipe. Data for tests/test_recipes.py; the Case record is in benchmarks/recipe_lab.py."""
 
 from __future__ import annotations
 
-from trainbridge.tests.recipe_support import Case, examples
+from recipe_lab import Case, examples
 
 CASES: list[Case] = [
     # --- bundled examples (slow: real model sizes) ----------------------------------------------

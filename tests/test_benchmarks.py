@@ -235,7 +235,7 @@ def test_linearity_verdicts():
 def test_fresh_arms_run_each_arm_in_a_new_child_and_find_a_planted_slowdown(tmp_path):
     """Every arm of every round is its own sandboxed child, the A/A control reads about 1, and a branch
     with a planted 2x slowdown reads about 2."""
-    from trainbridge.sandbox import fork_server
+    from trainbridge.sandbox.child import fork_server
     from trainbridge.sandbox.workload import load_workload
 
     fresh = bench("fresh_arms")

@@ -46,7 +46,7 @@ def test_demo_uses_a_knowledge_base_of_its_own_unless_told(tmp_path, monkeypatch
     from typer.testing import CliRunner
 
     from trainbridge.graph import runs
-    from trainbridge.graph.cli import build_app
+    from trainbridge.graph.cli.app import build_app
 
     seen = []
 

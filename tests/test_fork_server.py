@@ -1,4 +1,4 @@
-"""The gate's fork server (sandbox/fork_server.py, sandbox/fork_child.py): children forked from a warm
+"""The gate's fork server (sandbox/child/fork_server.py, sandbox/child/fork_child.py): children forked from a warm
 server see what an exec'd child sees (environment, working directory, sys.path, thread settings,
 descriptors, session, memory cap), are the gate's own children, and stay fresh: state one child
 plants (a module global, torch's default dtype, a global hook, the seed, the thread count, the
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from trainbridge.agents.profiler.gate import GateError, run_gate
-from trainbridge.sandbox import fork_server
+from trainbridge.sandbox.child import fork_server
 from trainbridge.sandbox.runner import run_workload, run_workload_pair
-from trainbridge.sandbox.step_driver import StepPlan
+from trainbridge.sandbox.child.step_driver import StepPlan
 from trainbridge.sandbox.workload import load_workload
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the fork server needs Linux")

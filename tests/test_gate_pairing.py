@@ -20,7 +20,7 @@ from trainbridge.agents.profiler.gate import GateError, default_pairing, run_gat
 from trainbridge.agents.profiler.verdict import VerdictReason
 from trainbridge.sandbox.isolation import scrubbed_env
 from trainbridge.sandbox.results import ChildWatch, RunResult
-from trainbridge.sandbox.step_driver import ChildSpec, StepPlan, drive_pair
+from trainbridge.sandbox.child.step_driver import ChildSpec, StepPlan, drive_pair
 from trainbridge.sandbox.workload import load_workload
 
 WORKLOADS = Path(__file__).parent / "fixtures" / "workloads"

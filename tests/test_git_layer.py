@@ -1,4 +1,4 @@
-"""One door to git: nothing in the package runs git except the runner in tools/git_runner.py.
+"""One door to git: nothing in the package runs git except the runner in tools/git/runner.py.
 
 That runner turns hooks, commit signing, housekeeping and the user's output-shaping config (diff
 prefixes, colour, external diff drivers) off, and RunWorkspace adds the trainbridge/ prefix check and
@@ -16,7 +16,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNNER = Path("tools/git_runner.py")
+RUNNER = Path("tools/git/runner.py")
 NOT_SCANNED = {"tests", "benchmarks", "examples", ".venv"}
 
 
@@ -65,7 +65,7 @@ def test_importing_the_graph_imports_no_gitpython():
     import subprocess
     import sys
 
-    code = ("import sys, trainbridge.graph.builder, trainbridge.graph.server, trainbridge.tools.git_ops\n"
+    code = ("import sys, trainbridge.graph.builder, trainbridge.graph.server, trainbridge.tools.git.ops\n"
             "sys.exit('git' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, "importing the graph imported GitPython\n" + done.stderr

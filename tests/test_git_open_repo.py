@@ -10,7 +10,7 @@ from pathlib import Path
 import git
 import pytest
 
-from trainbridge.tools.git_ops import (
+from trainbridge.tools.git.ops import (
     RunWorkspace,
     UnsafeReason,
     UnsafeRepoState,

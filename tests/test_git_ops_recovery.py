@@ -7,7 +7,7 @@ from __future__ import annotations
 import git
 import pytest
 
-from trainbridge.tools.git_ops import UnsafeReason, UnsafeRepoState, candidate_branch_name
+from trainbridge.tools.git.ops import UnsafeReason, UnsafeRepoState, candidate_branch_name
 from trainbridge.tests.git_ops_support import (  # noqa: F401 (fixtures)
     MODEL,
     branches,
@@ -25,7 +25,7 @@ class _Killed(BaseException):
 
 
 def _kill_after(monkeypatch, calls: int) -> list[int]:
-    from trainbridge.tools import git_runner
+    from trainbridge.tools.git import runner as git_runner
 
     real, count = git_runner._git_status, [0]
 

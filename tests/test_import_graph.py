@@ -150,3 +150,52 @@ def test_the_checks_find_a_cycle_and_an_upward_import(tmp_path):
     assert cycles(edges) == [["trainbridge.tools.a", "trainbridge.tools.b"]]
     assert "trainbridge.sandbox.c" in edges["trainbridge.tools.d"] and layer("trainbridge.sandbox.c") > layer("trainbridge.tools.d")
     assert [hit.split(" ")[1] for hit in private_uses(package_modules(tmp_path), tmp_path)] == ["trainbridge.sandbox.c._x", "a._f"]
+
+
+FAMILY_LIMIT = 4  # modules of one folder sharing a name prefix: from this many on, the family gets a folder of its own
+
+
+def prefix_families(root: Path = ROOT, limit: int = FAMILY_LIMIT) -> list[str]:
+    """`folder: prefix_ (module, ...)` for every folder of the package or of benchmarks/ that keeps `limit` or
+    more modules named by a shared first word: a subpackage in all but name (DESIGN.md's layout names each
+    family's folder). The tests keep pytest's `test_` names and the emulated torch_npu upstream's layout."""
+    found = []
+    for folder in sorted({p.parent for p in root.rglob("*.py")}):
+        rel = folder.relative_to(root)
+        if rel.parts[:1] in (("tests",), (".venv",), ("examples",)) or rel.parts[: len(EMULATED)] == EMULATED:
+            continue
+        families: dict[str, list[str]] = {}
+        for path in folder.glob("*.py"):
+            if path.stem != "__init__":
+                families.setdefault(path.stem.split("_")[0], []).append(path.stem)
+        found += [f"{rel.as_posix() or '.'}: {prefix}_ ({', '.join(sorted(names))})"
+                  for prefix, names in sorted(families.items()) if len(names) >= limit]
+    return found
+
+
+def test_no_folder_keeps_a_prefix_family():
+    found = prefix_families()
+    assert not found, ("folders keeping a family of modules by name prefix (give the family a subpackage whose "
+                       "module names do not repeat the folder, e.g. tools/git/runner.py):\n" + "\n".join(found))
+
+
+def test_benchmarks_import_nothing_from_the_tests():
+    """What a benchmark and the tests share lives in the package or in benchmarks/ (tests/conftest.py puts
+    benchmarks/ on the tests' path), never in tests/."""
+    found = []
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} {name}" for name in names
+                      if name.split(".")[:2] == [PACKAGE, "tests"] or name.split(".")[0] == "tests"]
+    assert not found, "benchmarks importing from tests/:\n" + "\n".join(found)
+
+
+def test_the_family_check_finds_a_planted_family(tmp_path):
+    for rel in ("tools/__init__.py", "tools/git_a.py", "tools/git_b.py", "tools/git_c.py", "tools/git_d.py",
+                "tools/other.py", "tools/sub/__init__.py", "tools/sub/x_1.py", "tools/sub/x_2.py", "tools/sub/x_3.py",
+                "tests/test_a.py", "tests/test_b.py", "tests/test_c.py", "tests/test_d.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("", encoding="utf-8")
+    assert prefix_families(tmp_path) == ["tools: git_ (git_a, git_b, git_c, git_d)"]

@@ -14,12 +14,12 @@ import pytest
 
 from trainbridge.records import KernelKind, Phase
 from trainbridge.tools.evidence_pack import EvidencePackError, read_pack, write_pack
-from trainbridge.tools.inductor_format import EvidenceFormatError
-from trainbridge.tools.inductor_fx import parse_post_fusion
-from trainbridge.tools.inductor_groups import kernel_name_ops
-from trainbridge.tools.inductor_output_code import parse_output_code
-from trainbridge.tools.inductor_parser import parse_evidence_dir
-from trainbridge.tools.inductor_trace import parse_chrome_trace
+from trainbridge.tools.inductor.format import EvidenceFormatError
+from trainbridge.tools.inductor.fx import parse_post_fusion
+from trainbridge.tools.inductor.groups import kernel_name_ops
+from trainbridge.tools.inductor.output_code import parse_output_code
+from trainbridge.tools.inductor.parser import parse_evidence_dir
+from trainbridge.tools.inductor.trace import parse_chrome_trace
 from trainbridge.tools.repo_paths import RepoPathMapper
 
 REPO = Path(__file__).resolve().parents[1]
@@ -389,7 +389,7 @@ def test_parser_rejects_folders_and_traces_that_are_not_evidence(tmp_path):
 
 
 def test_capture_refuses_bad_parts_and_used_folders(tmp_path):
-    from trainbridge.tools.inductor_capture import CaptureError, capture_inductor_evidence
+    from trainbridge.tools.inductor.capture import CaptureError, capture_inductor_evidence
 
     with pytest.raises(CaptureError, match="missing"):
         capture_inductor_evidence({"model": None}, tmp_path / "a")
@@ -405,7 +405,7 @@ def test_capture_refuses_bad_parts_and_used_folders(tmp_path):
 
 
 def test_eager_op_count_splits_a_real_step_by_phase():
-    from trainbridge.tools.inductor_capture import count_eager_step_ops
+    from trainbridge.tools.inductor.capture import count_eager_step_ops
 
     sys.path.insert(0, str(MODELS))
     try:
@@ -431,7 +431,7 @@ def test_real_capture_end_to_end_in_a_subprocess(tmp_path):
         "import sys; from pathlib import Path\n"
         f"sys.path.insert(0, {str(MODELS)!r})\n"
         "import tiny_llama\n"
-        "from trainbridge.tools.inductor_capture import capture_inductor_evidence\n"
+        "from trainbridge.tools.inductor.capture import capture_inductor_evidence\n"
         f"capture_inductor_evidence(tiny_llama.make_parts(), Path({str(out)!r}), steps=2, repo_root=Path({str(REPO)!r}), "
         "timed_steps=3)\n"
     )

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from trainbridge.graph import init_cmd
-from trainbridge.graph.cli import build_app
+from trainbridge.graph.cli import init as init_cmd
+from trainbridge.graph.cli.app import build_app
 
 REPOS = Path(__file__).parent / "fixtures" / "launch_repos"
 

@@ -1,4 +1,4 @@
-"""Finding a repository's training script and its launch line (tools/launch_discovery.py and its parsers).
+"""Finding a repository's training script and its launch line (tools/launch/discovery.py and its parsers).
 
 The repositories in tests/fixtures/launch_repos/ are small programs written here in the styles of
 public training repositories (a nanoGPT-style script with a configurator and config files, an
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from trainbridge.tools.gitignore_rules import IgnoreRules
-from trainbridge.tools.launch_discovery import EvidenceKind, discover_launch
-from trainbridge.tools.launch_lines import lines_in_markdown, lines_in_shell, parse_launch
-from trainbridge.tools.script_facts import read_script_facts
+from trainbridge.tools.git.ignore_rules import IgnoreRules
+from trainbridge.tools.launch.discovery import EvidenceKind, discover_launch
+from trainbridge.tools.launch.lines import lines_in_markdown, lines_in_shell, parse_launch
+from trainbridge.tools.launch.script_facts import read_script_facts
 
 REPOS = Path(__file__).parent / "fixtures" / "launch_repos"
 

@@ -12,12 +12,12 @@ import sys
 import git
 import pytest
 
-from trainbridge.agents.coder import llm_client
+from trainbridge.agents.coder.llm import client as llm_client
 from trainbridge.agents.coder.candidate import Candidate, CoderRefusal
-from trainbridge.agents.coder.llm import llm_candidate
-from trainbridge.agents.coder.llm_config import LLMConfig, LLMConfigError
+from trainbridge.agents.coder.llm.patch import llm_candidate
+from trainbridge.agents.coder.llm.config import LLMConfig, LLMConfigError
 from trainbridge.records import IntentCategory, SourceSpan
-from trainbridge.tools.git_ops import RunWorkspace, open_repo
+from trainbridge.tools.git.ops import RunWorkspace, open_repo
 from trainbridge.tests.llm_coder_support import (  # noqa: F401 (fixtures)
     GELU_FUSED,
     GELU_LINE,

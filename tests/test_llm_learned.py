@@ -11,7 +11,7 @@ import pytest
 
 from trainbridge.agents.coder.candidate import Candidate
 from trainbridge.agents.coder.learned import LearnedRecipeError, learned_recipe
-from trainbridge.agents.coder.llm import llm_candidate
+from trainbridge.agents.coder.llm.patch import llm_candidate
 from trainbridge.records import IntentCategory, SourceSpan
 from trainbridge.tools.codemods.engine import CodemodRefused, apply_recipe
 from trainbridge.tests.llm_coder_support import (  # noqa: F401 (fixtures)

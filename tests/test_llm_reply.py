@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainbridge.agents.coder.llm_reply import PatchRejected, locate, parse_reply
+from trainbridge.agents.coder.llm.reply import PatchRejected, locate, parse_reply
 from trainbridge.records import SourceSpan
 from trainbridge.tests.llm_coder_support import block, loopback_only, no_global_git_identity  # noqa: F401 (fixtures)
 

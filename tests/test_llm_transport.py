@@ -10,8 +10,8 @@ from __future__ import annotations
 from pydantic import SecretStr
 
 from trainbridge.agents.coder.candidate import Candidate, CoderRefusal
-from trainbridge.agents.coder.llm import llm_candidate
-from trainbridge.agents.coder.llm_config import LLMConfig
+from trainbridge.agents.coder.llm.patch import llm_candidate
+from trainbridge.agents.coder.llm.config import LLMConfig
 from trainbridge.tests.llm_coder_support import (  # noqa: F401 (fixtures)
     VALID_GELU,
     assert_nothing_landed,

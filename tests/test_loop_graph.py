@@ -22,7 +22,7 @@ from trainbridge.graph.context import RunContext
 from trainbridge.graph.review import ReviewDecision
 from trainbridge.graph.state import RunConfig, RunPaths
 from trainbridge.knowledge.store import KnowledgeBase
-from trainbridge.tools.git_ops import CandidateConflict
+from trainbridge.tools.git.ops import CandidateConflict
 from trainbridge.tests.loop_checks import LLM_ENV, REJECT_REASON, decision_view, run_commits, run_outcomes
 from trainbridge.tests.loop_fixtures import GOOD_RECIPE, git, loop_config, make_loop_repo
 

@@ -437,7 +437,7 @@ def _tiny_parts(counter: list[int]) -> dict:
 
 @pytest.mark.parametrize("attribution", [False, True])
 def test_profile_capture_uses_the_documented_settings_and_feeds_the_parser(tmp_path, attribution):
-    from trainbridge.tools.npu_profile_capture import profile_npu_step
+    from trainbridge.tools.npu_profile.capture import profile_npu_step
 
     calls: dict = {}
     ran: list[int] = []
@@ -458,7 +458,7 @@ def test_profile_capture_uses_the_documented_settings_and_feeds_the_parser(tmp_p
 
 
 def test_profile_capture_reports_missing_output_and_refuses_the_emulation(tmp_path):
-    from trainbridge.tools.npu_profile_capture import profile_npu_step
+    from trainbridge.tools.npu_profile.capture import profile_npu_step
 
     calls: dict = {}
     capture = profile_npu_step(_tiny_parts([]), tmp_path / "prof", tmp_path, steps=1, warmup=0,

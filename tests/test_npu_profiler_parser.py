@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from trainbridge.records import Phase
-from trainbridge.tools.npu_profiler_parser import (
+from trainbridge.tools.npu_profile.parser import (
     OUTPUT_DIR,
     UNATTRIBUTED_FILE,
     NpuProfileError,

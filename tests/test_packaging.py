@@ -22,5 +22,5 @@ def test_every_code_folder_is_a_listed_package():
 
 def test_console_script_and_no_generic_top_level_names():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert project["project"]["scripts"]["trainbridge"] == "trainbridge.graph.cli:main"
+    assert project["project"]["scripts"]["trainbridge"] == "trainbridge.graph.cli.app:main"
     assert all(name == "trainbridge" or name.startswith("trainbridge.") for name in project["tool"]["setuptools"]["packages"])

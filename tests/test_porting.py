@@ -23,7 +23,7 @@ import typer
 
 from trainbridge.tools.porting import ChangeKind, SkipCategory, port_repo, port_source
 from trainbridge.tools.porting.npu_surface import NPU_DEVICE_MODULE
-from trainbridge.tools.porting_cli import PortError, port_command, port_to_branch, run_port
+from trainbridge.tools.porting.cli import PortError, port_command, port_to_branch, run_port
 
 MAIN = Path(__file__).resolve().parents[1]
 EXAMPLES = MAIN / "examples"

@@ -15,7 +15,7 @@ op decompositions differ from the CPU's by ~1e-9, which an 'exact' recipe must n
 
 All cases of one program and backend run in one child (one torch import); the children of the
 bundled examples take a while and are marked slow. The child, the case record, the lab and the
-numerics comparison are in tests/recipe_support.py (shared with benchmarks/recipe_apply_rate.py);
+numerics comparison are in benchmarks/recipe_lab.py (shared with benchmarks/recipe_apply_rate.py);
 the cases in tests/recipe_cases.py.
 """
 
@@ -28,7 +28,7 @@ import libcst as cst
 import pytest
 
 from trainbridge.tests.recipe_cases import CASES
-from trainbridge.tests.recipe_support import RECIPES, Lab, apply_case, assert_within, compare, params, source_dir
+from recipe_lab import RECIPES, Lab, apply_case, assert_within, compare, params, source_dir
 
 
 @pytest.fixture(scope="session")

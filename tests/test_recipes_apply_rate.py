@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from trainbridge.agents.analyst.static.scan import scan_repo
 from trainbridge.benchmarks.recipe_apply_rate import IntentRow, _method_of, _queue, table
-from trainbridge.tests.recipe_support import REAL_STYLE
+from recipe_lab import REAL_STYLE
 
 
 def test_queues_and_methods_on_the_real_style_programs():

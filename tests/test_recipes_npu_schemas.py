@@ -10,7 +10,7 @@ import re
 import pytest
 
 from trainbridge.knowledge.schema import Recipe
-from trainbridge.tests.recipe_support import NPU_REFERENCE, RECIPES
+from recipe_lab import NPU_REFERENCE, RECIPES
 from trainbridge.tools.codemods.statements import hole_spans
 
 # ------------------------------------------------------------------------------------------------

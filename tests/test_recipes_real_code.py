@@ -11,7 +11,7 @@ import pytest
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from trainbridge.records import SourceSpan
-from trainbridge.tests.recipe_support import RECIPES
+from recipe_lab import RECIPES
 from trainbridge.tools.codemods import scopes
 from trainbridge.tools.codemods.engine import CodemodRefused, apply_recipe
 

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from trainbridge.records import SourceSpan
-from trainbridge.tests.recipe_support import RECIPES
+from recipe_lab import RECIPES
 from trainbridge.tools.codemods.engine import CodemodRefused, apply_recipe
 
 

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from trainbridge.records import SourceSpan
-from trainbridge.tests.recipe_support import PYTHON, RECIPES, VARIANTS, Case, apply_case
+from recipe_lab import PYTHON, RECIPES, VARIANTS, Case, apply_case
 from trainbridge.tools.codemods.engine import CodemodRefused, apply_recipe
 
 # ------------------------------------------------------------------------------------------------

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from trainbridge.tests.script_mode_support import commit_all, git
-from trainbridge.sandbox.script_files import DataPathError, make_run_dir, user_checkout
-from trainbridge.sandbox.script_seeds import derive_seed
-from trainbridge.sandbox.script_launch import LaunchError, parse_launch
-from trainbridge.sandbox.script_overrides import OverridePlan, apply_argv, compile_source, install
+from script_repos import commit_all, git
+from trainbridge.sandbox.script.files import DataPathError, make_run_dir, user_checkout
+from trainbridge.sandbox.script.seeds import derive_seed
+from trainbridge.sandbox.script.launch import LaunchError, parse_launch
+from trainbridge.sandbox.script.overrides import OverridePlan, apply_argv, compile_source, install
 from trainbridge.sandbox.workload import WorkloadConfig, WorkloadConfigError, load_workload, workload_for_launch
 
 
@@ -165,7 +165,7 @@ def test_run_dir_mirrors_the_worktree_and_shows_the_checkouts_ignored_data(tmp_p
 
 def test_likely_causes_come_from_the_source_and_from_seeds_that_differ_between_runs():
     from trainbridge.sandbox.results import RunResult
-    from trainbridge.sandbox.script_determinism import likely_causes
+    from trainbridge.sandbox.script.determinism import likely_causes
 
     def run(seed_value: str) -> RunResult:
         return RunResult(mode="script", backend="cpu", device="cpu", seed=0, threads=2, warmup_steps=0,

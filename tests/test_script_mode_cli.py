@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from trainbridge.tests.script_mode_support import commit_all, nanogpt_repo, script_repo
+from script_repos import commit_all, nanogpt_repo, script_repo
 
 
 def trainbridge(*args: str) -> subprocess.CompletedProcess:

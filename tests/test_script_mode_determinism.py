@@ -12,9 +12,9 @@ import torch
 from trainbridge.agents.profiler.nondeterministic import compare_structure, level_band
 from trainbridge.agents.profiler.numerics import NumericsTolerance
 from trainbridge.agents.profiler.probe_report import ProbeReport
-from trainbridge.sandbox.script_determinism import DeterminismReport, check_repeatable
+from trainbridge.sandbox.script.determinism import DeterminismReport, check_repeatable
 from trainbridge.sandbox.workload import load_workload
-from trainbridge.tests.script_mode_support import script_repo
+from script_repos import script_repo
 
 UNSEEDED = 'launch = "python train.py"\nwarmup_steps = 1\nsteps = 2\ntimeout_s = 120\n'
 LOSS = "(model(data[index]) - target[index]).pow(2).mean()"

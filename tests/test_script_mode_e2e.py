@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from trainbridge.tests.script_mode_support import commit_all, git, nanogpt_repo
+from script_repos import commit_all, git, nanogpt_repo
 
 # a whole run (init, baseline, repeatability check, paired gate): minutes on 2 cores, more when the machine is shared
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -28,7 +28,7 @@ def trainbridge(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.Comple
 
 
 def launchers_below(pid: int) -> set[int]:
-    """The script-mode sandbox children below `pid` (they run `trainbridge.sandbox.script_launcher`)."""
+    """The script-mode sandbox children below `pid` (they run `trainbridge.sandbox.script.launcher`)."""
     found, todo = set(), [pid]
     while todo:
         for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
@@ -39,7 +39,7 @@ def launchers_below(pid: int) -> set[int]:
             for child in children:
                 todo.append(child)
                 try:
-                    if b"trainbridge.sandbox.script_launcher" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    if b"trainbridge.sandbox.script.launcher" in Path(f"/proc/{child}/cmdline").read_bytes():
                         found.add(child)
                 except OSError:
                     pass

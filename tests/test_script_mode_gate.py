@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from trainbridge.tests.script_mode_support import nanogpt_repo
+from script_repos import nanogpt_repo
 from trainbridge.agents.profiler.gate import RoundInputs, judge_conduct, judge_timed, run_gate, run_pair, run_side
 from trainbridge.agents.profiler.numerics import compare_numerics
 from trainbridge.sandbox.workload import load_workload
@@ -76,7 +76,7 @@ def test_a_paired_gate_round_runs_two_script_children_side_by_side(tmp_path):
 
 def test_a_pair_whose_candidate_cannot_start_reports_both_sides(tmp_path):
     from trainbridge.sandbox.runner import run_workload_pair
-    from trainbridge.sandbox.step_driver import StepPlan
+    from trainbridge.sandbox.child.step_driver import StepPlan
 
     baseline, candidate = _pair(tmp_path)
     (candidate.root / "train.py").unlink()

@@ -1,4 +1,4 @@
-"""Where a script-mode step's loss comes from (sandbox/script_loss.py): backward's scalars, GradScaler's scaling undone,
+"""Where a script-mode step's loss comes from (sandbox/script/loss.py): backward's scalars, GradScaler's scaling undone,
 or the loss the program prints (loss_pattern), and the measurement saying which (each test runs real children)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import re
 import pytest
 
 from trainbridge.sandbox.runner import run_workload
-from trainbridge.sandbox.script_loss import LoggedLoss, OutputWatch
+from trainbridge.sandbox.script.loss import LoggedLoss, OutputWatch
 from trainbridge.sandbox.workload import load_workload
-from trainbridge.tests.script_mode_support import script_repo, stdout_lines
+from script_repos import script_repo, stdout_lines
 
 TOML = 'launch = "python train.py {mode}"\nwarmup_steps = 1\nsteps = 2\ntimeout_s = 120\n'
 
@@ -81,7 +81,7 @@ def test_a_pattern_without_its_loss_group_is_refused_before_the_run(tmp_path):
 def test_measure_says_where_the_losses_came_from(tmp_path):
     from typer.testing import CliRunner
 
-    from trainbridge.graph.cli import build_app
+    from trainbridge.graph.cli.app import build_app
 
     repo = script_repo(tmp_path / "repo", "logged_loss.py", TOML.format(mode="weighted"))
     result = CliRunner().invoke(build_app(), ["measure", str(repo)], env={"COLUMNS": "200"})

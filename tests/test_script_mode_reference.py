@@ -1,4 +1,4 @@
-"""The torch.compile reference of an unmodified script (sandbox/script_capture.py): `analyze` with the reference and
+"""The torch.compile reference of an unmodified script (sandbox/script/capture.py): `analyze` with the reference and
 `collect-evidence` in script mode. The quick tests check the pieces in this process; the slow ones compile real
 scripts in the sandbox (caches off, so each pays a cold compile)."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from trainbridge.sandbox.script_capture import capture_plan
-from trainbridge.sandbox.script_hooks import compile_trained_modules
+from trainbridge.sandbox.script.capture import capture_plan
+from trainbridge.sandbox.script.hooks import compile_trained_modules
 from trainbridge.sandbox.workload import load_workload
-from trainbridge.tests.script_mode_support import nanogpt_repo, script_repo
+from script_repos import nanogpt_repo, script_repo
 from trainbridge.tools.eager_op_counts import OpCounter
 
 NANO = '''launch = "python train.py --batch_size=2 --block_size=16 --n_layer=1 --n_embd=32 --n_head=2 --compile={compile}"
@@ -71,7 +71,7 @@ def test_the_trained_modules_get_a_compiled_forward_and_a_script_compiled_module
 
 
 def _pack_evidence(tmp_path, repo):
-    from trainbridge.graph.cli import build_app
+    from trainbridge.graph.cli.app import build_app
 
     pack = tmp_path / "evidence.tar.gz"
     result = CliRunner().invoke(build_app(), ["collect-evidence", str(repo), "--out", str(pack)], env={"COLUMNS": "200"})
@@ -83,7 +83,7 @@ def _pack_evidence(tmp_path, repo):
 def test_collect_evidence_of_an_unmodified_nanogpt_script_and_the_analysis_that_reads_it(tmp_path):
     from trainbridge.agents.analyst.analyze import analyze_repo
     from trainbridge.tools.evidence_pack import read_pack
-    from trainbridge.tools.inductor_parser import parse_evidence_dir
+    from trainbridge.tools.inductor.parser import parse_evidence_dir
 
     repo = nanogpt_repo(tmp_path / "repo", NANO.format(compile=False).replace("timeout_s = 120", "timeout_s = 600"))
     pack = _pack_evidence(tmp_path, repo)
@@ -118,7 +118,7 @@ def test_analyze_compiles_the_reference_of_an_epoch_loop_with_two_optimizers(tmp
 @pytest.mark.slow
 def test_a_script_that_compiles_its_model_itself_keeps_its_own_compile_as_the_reference(tmp_path):
     from trainbridge.sandbox.runner import run_workload
-    from trainbridge.tools.inductor_parser import parse_evidence_dir
+    from trainbridge.tools.inductor.parser import parse_evidence_dir
 
     repo = script_repo(tmp_path / "repo", "compiles_itself.py", 'launch = "python train.py --compile"\nwarmup_steps = 1\nsteps = 2\n'
                        'timeout_s = 600\n')

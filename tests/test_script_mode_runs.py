@@ -7,11 +7,11 @@ import re
 
 import pytest
 
-from trainbridge.tests.script_mode_support import git, nanogpt_repo, script_repo, stdout_lines
+from script_repos import git, nanogpt_repo, script_repo, stdout_lines
 from trainbridge.sandbox.results import FailureKind
 from trainbridge.sandbox.runner import run_workload
-from trainbridge.sandbox.script_seeds import derive_seed
-from trainbridge.sandbox.step_driver import StepPlan
+from trainbridge.sandbox.script.seeds import derive_seed
+from trainbridge.sandbox.child.step_driver import StepPlan
 from trainbridge.sandbox.workload import load_workload
 
 NANO = '''launch = "python train.py --batch_size=2 --block_size=16 --n_layer=1 --n_embd=32 --n_head=2"
@@ -140,7 +140,7 @@ def test_a_script_that_ends_before_the_plan_says_how_to_run_longer(tmp_path):
 
 
 def test_unseeded_data_order_is_reported_nondeterministic_naming_the_cause(tmp_path):
-    from trainbridge.sandbox.script_determinism import check_repeatable
+    from trainbridge.sandbox.script.determinism import check_repeatable
 
     unseeded = script_repo(tmp_path / "unseeded", "unseeded_order.py", 'launch = "python train.py"\nwarmup_steps = 1\nsteps = 2\n')
     report = check_repeatable(load_workload(unseeded))
@@ -155,8 +155,8 @@ def test_what_the_script_rebinds_is_reported_by_the_guard(tmp_path):
     result = run_workload(load_workload(repo))
     assert result.ok, result.failure
     assert "torch.Tensor.backward" in result.watch.replaced
-    assert "trainbridge.sandbox.script_hooks.StepController._boundary" in result.watch.replaced
-    assert "trainbridge.sandbox.script_hooks.StepController._serve" not in result.watch.replaced
+    assert "trainbridge.sandbox.script.hooks.StepController._boundary" in result.watch.replaced
+    assert "trainbridge.sandbox.script.hooks.StepController._serve" not in result.watch.replaced
 
 
 def test_the_compile_arm_compiles_the_modules_the_optimizers_train(tmp_path):

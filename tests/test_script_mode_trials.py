@@ -11,12 +11,12 @@ import tomllib
 from pathlib import Path
 
 from trainbridge.sandbox.runner import run_workload
-from trainbridge.sandbox.script_launch import parse_launch, single_torchrun_env, torchrun_options
-from trainbridge.sandbox.script_overrides import OverridePlan, compile_source, install
-from trainbridge.sandbox.script_run import launch_problem
+from trainbridge.sandbox.script.launch import parse_launch, single_torchrun_env, torchrun_options
+from trainbridge.sandbox.script.overrides import OverridePlan, compile_source, install
+from trainbridge.sandbox.script.run import launch_problem
 from trainbridge.sandbox.workload import Workload, WorkloadConfig
-from trainbridge.tools.init_toml import render_toml
-from trainbridge.tools.launch_discovery import discover_launch
+from trainbridge.tools.launch.init_toml import render_toml
+from trainbridge.tools.launch.discovery import discover_launch
 
 # A script that names its data by bare file names joined to a folder at run time
 # (`os.path.join(data_dir, "train.bin")`), and a checkpoint it writes itself; `.gitignore` ignores
@@ -194,7 +194,7 @@ def test_a_script_that_needs_torchrun_runs_as_one_torchrun_process(tmp_path):
 def test_a_program_the_script_runs_that_is_not_installed_is_named_as_a_program():
     import subprocess
 
-    from trainbridge.sandbox.script_launcher import missing_file_message
+    from trainbridge.sandbox.script.launcher import missing_file_message
 
     try:
         subprocess.run(["trainbridge-no-such-program-smi"], stdout=subprocess.PIPE)
@@ -215,7 +215,7 @@ def test_live_object_scans_skip_weak_proxies_whose_object_is_gone():
 
     import torch
 
-    from trainbridge.sandbox.script_hooks import _instances
+    from trainbridge.sandbox.script.hooks import _instances
 
     class Holder:
         pass
@@ -279,7 +279,7 @@ def test_suggested_override_keys_name_the_dataclass_and_the_call_that_passes_a_f
 
 def test_a_download_at_start_is_explained_as_the_sandbox_having_no_network():
     # llm.c's train_gpt2.py calls tiktoken.get_encoding("gpt2") first: a chained requests/urllib3 error
-    from trainbridge.sandbox.script_launcher import network_message
+    from trainbridge.sandbox.script.launcher import network_message
 
     class NameResolutionError(OSError):
         pass

@@ -1,5 +1,5 @@
 """Script mode's torchrun groups: `torchrun --nproc_per_node 2 train.py` runs as 2 gloo ranks on the CPU
-(sandbox/rank_supervisor.py inside the sandbox, sandbox/rank_group.py driving them as one timed child)."""
+(sandbox/child/rank_supervisor.py inside the sandbox, sandbox/child/rank_group.py driving them as one timed child)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from trainbridge.graph.cli import build_app
+from trainbridge.graph.cli.app import build_app
 from trainbridge.sandbox import proc_watch
-from trainbridge.sandbox.driven_child import ChildSpec, StepPlan
-from trainbridge.sandbox.rank_group import RankGroupChild, child_for
+from trainbridge.sandbox.child.driven import ChildSpec, StepPlan
+from trainbridge.sandbox.child.rank_group import RankGroupChild, child_for
 from trainbridge.sandbox.runner import run_workload
-from trainbridge.sandbox.script_launch import parse_launch, rank_threads, torchrun_env
-from trainbridge.sandbox.script_run import launch_problem
+from trainbridge.sandbox.script.launch import parse_launch, rank_threads, torchrun_env
+from trainbridge.sandbox.script.run import launch_problem
 from trainbridge.sandbox.workload import load_workload, workload_for_launch
-from trainbridge.tests.script_mode_support import ddp_repo, script_repo
+from script_repos import ddp_repo, script_repo
 
 # --- the launch line (no processes) ---
 

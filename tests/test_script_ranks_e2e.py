@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from trainbridge.tests.script_mode_support import ddp_repo, git
+from script_repos import ddp_repo, git
 
 # a whole run (init, baseline, repeatability check, paired gate): minutes on 2 cores, more when the machine is shared
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]

@@ -11,7 +11,7 @@ import pytest
 
 from trainbridge.agents.coder.semantic_match import apply_semantically, match_region, probes
 from trainbridge.records import SourceSpan
-from trainbridge.tests.recipe_support import RECIPES
+from recipe_lab import RECIPES
 from trainbridge.tools.codemods.engine import CodemodRefused, apply_recipe
 from trainbridge.tools.codemods.region_probe import ProbeError, build_probe, verdict
 

@@ -242,7 +242,7 @@ class OutboundSentinel:
 @pytest.fixture
 def server(tmp_path):
     """`langgraph dev` on 127.0.0.1 serving the repository's langgraph.json as is, offline, in a temp dir."""
-    from trainbridge.graph.cli_server import server_env
+    from trainbridge.graph.cli.serve import server_env
 
     home, cwd = tmp_path / "server-home", tmp_path / "server-cwd"
     cwd.mkdir()
@@ -364,7 +364,7 @@ def test_served_run_reviewed_through_the_server_api_matches_the_cli_run(server, 
     from langgraph_sdk import get_sync_client
 
     from trainbridge.graph.server import served_by
-    from trainbridge.graph.server_client import ServerError, submit_run
+    from trainbridge.graph.cli.server_client import ServerError, submit_run
 
     # the run in process, as `trainbridge run --review` + `trainbridge review` do it
     local = tmp_path / "cli"

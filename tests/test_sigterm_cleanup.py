@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainbridge.tests.script_mode_support import script_repo
+from script_repos import script_repo
 
 LONG = 'launch = "python train.py 1000000"\nwarmup_steps = 1\nsteps = 90000\ntimeout_s = 600\n'
 

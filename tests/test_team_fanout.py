@@ -24,10 +24,10 @@ import pytest
 
 from trainbridge.agents.analyst.static.scan import scan_repo_result
 from trainbridge.agents.coder.candidate import make_candidate
-from trainbridge.graph import fanout
+from trainbridge.graph.team import fanout
 from trainbridge.graph.context import RunContext
-from trainbridge.graph.devices import host_slots, parse_devices, slot_count
-from trainbridge.graph.gate_jobs import GateJob
+from trainbridge.graph.team.devices import host_slots, parse_devices, slot_count
+from trainbridge.graph.team.gate_jobs import GateJob
 from trainbridge.graph.runs import start_run
 from trainbridge.graph.state import RunConfig, RunPaths, gathered
 from trainbridge.tests.loop_checks import LLM_ENV, assert_clean_repository, run_commits, run_outcomes
@@ -152,8 +152,8 @@ def test_a_second_accept_that_no_longer_applies_is_recorded_once_as_stale(merge_
 
 def test_a_gate_on_a_slot_runs_pinned_to_the_slots_cores(tmp_path):
     """The pinned child is the gate's process; its sandbox children inherit the mask (sched_setaffinity)."""
-    from trainbridge.graph.devices import Slot
-    from trainbridge.graph.gate_jobs import GateJobError, judge_on_slot
+    from trainbridge.graph.team.devices import Slot
+    from trainbridge.graph.team.gate_jobs import GateJobError, judge_on_slot
 
     core = sorted(os.sched_getaffinity(0))[-1]
     job = GateJob(index=0, candidate={"name": "c"}, baseline_root=str(tmp_path / "nowhere"), baseline_sha="0" * 40,

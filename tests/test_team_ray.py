@@ -29,8 +29,8 @@ import pytest
 from trainbridge.agents.analyst.static.scan import scan_repo_result
 from trainbridge.agents.coder.candidate import make_candidate
 from trainbridge.graph.context import RunContext
-from trainbridge.graph.gate_jobs import GateJob
-from trainbridge.graph.ray_gates import CPU_SLOT_RESOURCE, candidate_bundle, checkout_from_bundle, task_options
+from trainbridge.graph.team.gate_jobs import GateJob
+from trainbridge.graph.team.ray_gates import CPU_SLOT_RESOURCE, candidate_bundle, checkout_from_bundle, task_options
 from trainbridge.graph.state import RunPaths
 from trainbridge.sandbox.scratch import sweep_stale
 from trainbridge.tests.loop_checks import (LLM_ENV, assert_clean_repository, harness_children, kill_harness_groups, run_commits,
@@ -78,7 +78,7 @@ def test_the_worker_checks_out_the_jobs_commits_from_a_bundle(tmp_path, monkeypa
 
 
 class GateWatcher(threading.Thread):
-    """Sees every gate process (python -m trainbridge.graph.gate_worker JOB VERDICT, a child of a Ray
+    """Sees every gate process (python -m trainbridge.graph.team.gate_worker JOB VERDICT, a child of a Ray
     worker) and which candidate it judges; SIGKILLs the Ray worker of the first gate once that gate's
     timed sandbox children run, and ends the sandbox children it saw when asked."""
 
@@ -92,7 +92,7 @@ class GateWatcher(threading.Thread):
     def run(self):
         while not self.stop.is_set():
             for pid, argv in _processes():
-                if "trainbridge.graph.gate_worker" not in argv or pid in self.gates:
+                if "trainbridge.graph.team.gate_worker" not in argv or pid in self.gates:
                     continue
                 try:
                     self.gates[pid] = json.loads(Path(argv[-2]).read_text())["candidate"]["name"]

@@ -20,7 +20,7 @@ from trainbridge.graph.state import RunConfig, RunPaths
 from trainbridge.graph.verify import VerifyRefused, replay_name, verify_run
 from trainbridge.sandbox.backends import Availability
 from trainbridge.tests.host import needs_no_torch_npu
-from trainbridge.tools.git_ops import RunWorkspace, open_repo
+from trainbridge.tools.git.ops import RunWorkspace, open_repo
 
 RUN = "r1"
 RECIPE = "rmsnorm-npu-rms-norm"  # a seed recipe: its numerics class sets the gate's tolerance

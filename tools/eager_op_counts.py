@@ -7,7 +7,7 @@ are counted apart. The evidence's "N eager ops vs K compiled kernels" comes from
 
 `OpCounter` works over any window of the program: entry mode counts one `train_step` call
 (`count_eager_step_ops`); script mode, which does not own the loop, counts from one step boundary
-to the next (sandbox/script_capture.py), with the hooks installed a step earlier so the forward
+to the next (sandbox/script/capture.py), with the hooks installed a step earlier so the forward
 whose backward it counts was seen. Every torch import is inside a function.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Iterable
 
-from trainbridge.tools.inductor_parser import EVIDENCE_FORMAT
+from trainbridge.tools.inductor.parser import EVIDENCE_FORMAT
 
 PHASES = ("forward_model", "forward_other", "backward_model", "backward_other", "optimizer")
 

@@ -181,7 +181,7 @@ def record_eager_ops(
 
 class BoundaryRecorder:
     """Records the eager ops of steps whose boundaries the caller decides, for programs that run their own
-    loop (script mode: sandbox/script_hooks.py starts and stops it at optimizer-step boundaries). Every
+    loop (script mode: sandbox/script/hooks.py starts and stops it at optimizer-step boundaries). Every
     optimizer's step counts as the optimizer phase (PyTorch's global optimizer-step hooks)."""
 
     def __init__(self, repo_root: Path):

@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath
 from pydantic import Field, ValidationError
 
 from trainbridge.records import Record
-from trainbridge.tools.inductor_parser import MANIFEST_FILE, OUTPUT_CODE, TRACE_FILE
+from trainbridge.tools.inductor.parser import MANIFEST_FILE, OUTPUT_CODE, TRACE_FILE
 
 PACK_FORMAT = 1
 PACK_KIND = "trainbridge-evidence-pack"

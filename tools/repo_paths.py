@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
 
-from trainbridge.tools.inductor_format import EvidenceFormatError
+from trainbridge.tools.inductor.format import EvidenceFormatError
 
 _EXCLUDED_PATH_MARKS = ("site-packages/", "dist-packages/", "/lib/python3", "<frozen", "<eval_with_key")
 

@@ -25,7 +25,7 @@ from trainbridge.sandbox.runner import run_workload
 from trainbridge.sandbox.scratch import scratch_dir
 from trainbridge.sandbox.workload import Workload
 from trainbridge.tools.eager_profile import EagerOpTable
-from trainbridge.tools.inductor_parser import EvidenceSummary, parse_evidence_dir
+from trainbridge.tools.inductor.parser import EvidenceSummary, parse_evidence_dir
 
 REFERENCE_TIMED_STEPS = 5  # compiled steps timed after the capture: the torch.compile reference's speed here
 REFERENCE_TIMEOUT_FLOOR_S = 600.0  # a cold compile with every cache off takes minutes on a small CPU; timeout_s is sized for eager steps
@@ -121,7 +121,7 @@ def _reference_dir(workload: Workload, backend: str, pack: Path | None, tmp: Pat
         unpacked = read_pack(pack, tmp)
         return unpacked.evidence_dir, str(pack)
     evidence_dir = tmp / "evidence"
-    # script mode (sandbox/script_capture.py) compiles the modules the optimizers train, or honours the script's own
+    # script mode (sandbox/script/capture.py) compiles the modules the optimizers train, or honours the script's own
     # torch.compile, over the script's own steps; entry mode compiles parts["model"]
     timeout_s = max(workload.config.timeout_s, REFERENCE_TIMEOUT_FLOOR_S)
     captured = run_workload(workload.with_overrides(steps=2, warmup_steps=0, timeout_s=timeout_s), backend=backend, mode="capture",

@@ -17,7 +17,7 @@ from typing import Any
 
 from trainbridge.agents.profiler.verdict import VerdictReason
 from trainbridge.records import Intent
-from trainbridge.tools.git_ops import run_git
+from trainbridge.tools.git.ops import run_git
 
 _HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@")
 

@@ -43,7 +43,7 @@ def coder_turn(workspace, intent: Intent, queue: Sequence[str], *, kb, llm, verd
             return CoderTurn(made, queue, refusals)
         refusals.append(refusal_record(intent, made))
     if llm is not None and not any(v.get("intent_id") == intent.id and v.get("recipe_id") is None for v in verdicts):
-        from trainbridge.agents.coder.llm import llm_candidate
+        from trainbridge.agents.coder.llm.patch import llm_candidate
 
         say(f"no recipe fits {intent.category}: asking the LLM for a patch confined to the span")
         made = llm_candidate(workspace, intent, llm, feedback=feedback, target=target, attempt=attempt)

@@ -90,7 +90,7 @@ def learned_recipe(candidate: Candidate, intent: Intent, *, repo_root: str | Pat
     placeholders, anchored on the old body's largest expression. Anything else is refused. The
     recipe is checked to reproduce the accepted patch on the original file.
     """
-    from trainbridge.tools.git_ops import run_git
+    from trainbridge.tools.git.ops import run_git
 
     if len(candidate.files) != 1 or not candidate.files[0].endswith(".py"):
         raise LearnedRecipeError(f"candidate {candidate.name} changes {candidate.files}; a recipe covers one Python file")

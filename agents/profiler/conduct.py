@@ -1,7 +1,7 @@
 """How a candidate behaved while it was timed (parent side, pure functions over what the parent saw).
 
 The parent times every step with its own clock and reads the child's resources from the kernel
-(sandbox/step_driver.py, sandbox/proc_watch.py). A candidate can still try to look faster than it
+(sandbox/child/step_driver.py, sandbox/proc_watch.py). A candidate can still try to look faster than it
 is; each check below names what it did:
 
 - ``tampered_timing``: the child's own step clock disagrees with the parent's (a rebound

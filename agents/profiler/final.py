@@ -3,7 +3,7 @@ the original, measured interleaved in one go (the gate's ratios are per commit; 
 
 Each round runs one fresh sandbox child per arm -- original (eager), final head (eager), original
 under `torch.compile` -- in an order rotated from round to round, all with the round's seed; on the
-CPU the children are forked from the run's warm server, as the gate's are (sandbox/fork_server.py).
+CPU the children are forked from the run's warm server, as the gate's are (sandbox/child/fork_server.py).
 Ratios are medians of per-round ratios with a bootstrap interval, as the gate computes them. A
 failing compiled arm does not spoil the rest: it is reported and left out.
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainbridge.agents.profiler.stats import paired_ratio_ci
-from trainbridge.sandbox import fork_server
+from trainbridge.sandbox.child import fork_server
 from trainbridge.sandbox.runner import run_workload
 from trainbridge.sandbox.workload import Workload
 

@@ -7,7 +7,7 @@
    advance; both sides of a round get the same). Every child does exactly the same thing, whether
    its round is the first or a later one: the numerics probe on the freshly built parts, then
    warm-up, measured and one cool-down step driven and timed by this process over the control
-   channel (sandbox/step_driver.py), then the parameters' changes over those steps. Nothing tells the
+   channel (sandbox/child/step_driver.py), then the parameters' changes over those steps. Nothing tells the
    code under test whether it is being checked or timed: it is always both. With ``pairing``
    "paired" (the CPU default: `default_pairing`) both children of a round are alive at once and
    their timed steps alternate one by one, the side that leads swapping every round; "sequential"
@@ -32,7 +32,7 @@
    and measured again; once the machine is seen contended the children run under
    OMP_WAIT_POLICY=PASSIVE (`quiet`).
 5. **Children** start from a fork server that imported torch, dynamo and the harness once (entry
-   mode, on the CPU: sandbox/fork_server.py), kept warm across the gates of one process, each child
+   mode, on the CPU: sandbox/child/fork_server.py), kept warm across the gates of one process, each child
    still a fresh process per side and round; ``spawn`` "exec" (or TRAINBRIDGE_GATE_SPAWN=exec)
    starts a new interpreter for each, as before. The verdict records which. The probe's training
    steps (`PROBE_STEPS`) count towards a child's warm-up (`gate_warmup`), and the baseline's drift
@@ -67,12 +67,12 @@ from trainbridge.agents.profiler.probe_report import ProbeReport, ProbeReportErr
 from trainbridge.agents.profiler.sequential import SequentialGate, looks
 from trainbridge.agents.profiler.stats import SpeedOutcome
 from trainbridge.agents.profiler.verdict import FAILURE_REASONS, Verdict, VerdictReason
-from trainbridge.sandbox import fork_server
-from trainbridge.sandbox.fork_server import SpawnKind
+from trainbridge.sandbox.child import fork_server
+from trainbridge.sandbox.child.fork_server import SpawnKind
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
 from trainbridge.sandbox.runner import run_workload, run_workload_pair
 from trainbridge.sandbox.scratch import scratch_dir
-from trainbridge.sandbox.step_driver import StepPlan
+from trainbridge.sandbox.child.step_driver import StepPlan
 from trainbridge.sandbox.workload import Workload
 
 GateProgress = Callable[[str, int, int], None]  # (phase, done, total); phases "numerics", "timing"
@@ -167,7 +167,7 @@ def run_side(workload: Workload, inputs: RoundInputs, *, backend: str, extra_env
 def run_pair(workloads: tuple[Workload, Workload], inputs: RoundInputs, *, backend: str, extra_env: dict[str, str] | None,
              work_dir: Path | None, orphans_to: int = 1) -> tuple[SideRun, SideRun]:
     """Both sides of a round in two gate children alive at once, their timed steps alternated
-    (`workloads[0]` leads: sandbox/step_driver.py, `drive_pair`); escaped processes count against
+    (`workloads[0]` leads: sandbox/child/step_driver.py, `drive_pair`); escaped processes count against
     `workloads[orphans_to]`."""
     with scratch_dir("trainbridge-gate-a-", work_dir) as tmp_a, scratch_dir("trainbridge-gate-b-", work_dir) as tmp_b:
         before = [conduct.snapshot_tree(w.root) for w in workloads]
@@ -240,7 +240,7 @@ def run_gate(
     """Judge `candidate` against `baseline` (see the module doc). `rng` only for reproducible tests:
     by default seeds and batch indices come from the operating system's entropy. `spawn`: how the
     gate's entry-mode children start ("fork-server": forked from a server that imported torch and the
-    harness once, sandbox/fork_server.py; "exec": a new interpreter each; default
+    harness once, sandbox/child/fork_server.py; "exec": a new interpreter each; default
     `fork_server.default_spawn`, TRAINBRIDGE_GATE_SPAWN overrides); the verdict records it. `determinism`: the
     run's sandbox/script_determinism.DeterminismReport; when the program is not repeatable, the numerics are the
     checks two runs of it still share (agents/profiler/nondeterministic.py) and the verdict says so."""

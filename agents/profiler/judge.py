@@ -37,10 +37,10 @@ def speed_measurable(target: str) -> bool:
 
 def ready_servers(baseline_root: Path, *, target: str, launch: str | None = None) -> int:
     """Launch, in the background, the fork servers the run's first gate will fork from (its children's,
-    its drift child's and the region lab's: sandbox/fork_server.py, `prestart`), so that their imports
+    its drift child's and the region lab's: sandbox/child/fork_server.py, `prestart`), so that their imports
     overlap whatever the run does meanwhile instead of the first candidate's judging. How many were
     launched: none outside a run's warm scope, for script-mode workloads (exec'd) or off the CPU."""
-    from trainbridge.sandbox import fork_server
+    from trainbridge.sandbox.child import fork_server
     from trainbridge.sandbox.runner import child_env
 
     baseline = workload_for_launch(baseline_root, launch) if launch else load_workload(baseline_root)
@@ -63,7 +63,7 @@ def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, r
     candidate's rewritten regions: when speed is measurable, the region lab times them first and a
     clearly slower region skips the gate, agents/profiler/region_lab.py; `baseline_step_s`: the run's
     baseline step time, from which the gate sizes its children's measured steps, `gate.gate_steps`)."""
-    from trainbridge.sandbox.script_determinism import DeterminismReport
+    from trainbridge.sandbox.script.determinism import DeterminismReport
 
     tolerance = tolerance_for(recipe_numerics) if recipe_numerics is not None else None
     report = DeterminismReport.model_validate(determinism) if determinism else None

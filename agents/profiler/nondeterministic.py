@@ -1,6 +1,6 @@
 """The numerics checks the gate can still make on a program whose two identical runs differ.
 
-A script-mode program that is not repeatable under one seed (sandbox/script_determinism.py: an
+A script-mode program that is not repeatable under one seed (sandbox/script/determinism.py: an
 unseeded generator, loader workers, a seed from the clock) gives the baseline and the candidate
 different batches even on the gate's common seed, so their gradients and per-step losses cannot
 be compared. What still holds for two runs of the same program, and is checked instead:

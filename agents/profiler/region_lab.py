@@ -3,7 +3,7 @@
 `time_region` starts one sandboxed child (sandbox/region_bench.py) confined like any gate child:
 scrubbed environment, address-space cap, own process group killed on timeout, no network where the
 host allows. On the CPU it is forked from a warm fork server, as gate children are (torch and the
-lab imported once per run, not once per candidate; sandbox/fork_server.py), else exec'd. The child
+lab imported once per run, not once per candidate; sandbox/child/fork_server.py), else exec'd. The child
 captures the region's real inputs from one baseline step and times baseline region against
 candidate region, forward + backward, interleaved, for a few hundred repetitions.
 
@@ -28,7 +28,7 @@ from trainbridge.agents.profiler.conduct import changed_files, snapshot_tree
 from trainbridge.agents.profiler.integrity import Finding, FindingKind
 from trainbridge.agents.profiler.verdict import Verdict, VerdictReason
 from trainbridge.records import SourceSpan
-from trainbridge.sandbox import fork_server
+from trainbridge.sandbox.child import fork_server
 from trainbridge.sandbox.backends import Backend
 from trainbridge.sandbox.isolation import default_memory_limit_mb, network_isolation, scrubbed_env
 from trainbridge.sandbox.runner import run_confined

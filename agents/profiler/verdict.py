@@ -64,7 +64,7 @@ class Verdict(BaseModel):
     wait_policy: str | None = Field(default=None, description="when the gate's children ran under OMP_WAIT_POLICY=PASSIVE because the "
                                     "machine was contended (agents/profiler/quiet.py), and from which round; None: the default policy")
     spawn: str | None = Field(default=None, description="how the gate's children started: fork-server (forked from a warm server, "
-                              "sandbox/fork_server.py) or exec (a new interpreter each)")
+                              "sandbox/child/fork_server.py) or exec (a new interpreter each)")
     ratio: float | None = Field(default=None, description="candidate/baseline step time; < 1 is faster")
     ratio_ci: tuple[float, float] | None = None
     speed: SpeedDecision | None = None

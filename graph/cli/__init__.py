@@ -1,0 +1,1 @@
+"""The `trainbridge` command line: the root app (app.py) and each command's module."""

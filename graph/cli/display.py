@@ -1,0 +1,92 @@
+"""How the CLI shows a run to a person: progress lines, a paused or finished run, a review payload,
+and the review decision asked for. Shared by the local (cli_loop) and served (cli_server) commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.syntax import Syntax
+
+from trainbridge.graph.cli.terminal import console
+from trainbridge.graph.cli.terminal import error as _error
+
+
+def say(message: str) -> None:
+    """One progress line on stderr, timestamped."""
+    console.print(f"[dim]{datetime.now():%H:%M:%S}[/] {message}", soft_wrap=True, highlight=False)
+
+
+def print_outcome(name: str, waiting: dict | None, state: dict, finished: bool, *, review_command: str,
+                  where: str = "", show_report: bool = True) -> bool:
+    """A paused or finished run as the CLI shows it (local or served: `where` says on which machine the
+    branch and report are). Returns False when the run is neither, for the caller to say what it is."""
+    from trainbridge.graph.runs import summary_line
+
+    if waiting is not None:
+        console.print(f"[yellow]paused for review[/] of candidate {waiting.get('candidate')} ({(waiting.get('intent') or {}).get('category')}); "
+                      f"answer with: {review_command}", soft_wrap=True)
+        return True
+    if not finished:
+        return False
+    console.print(f"[green]run {name} finished[/]: {state.get('stop_reason')}; {summary_line(state)}", soft_wrap=True)
+    console.print(f"branch: {state.get('run_branch')}" + (f" (in the repository {where})" if where else ""), soft_wrap=True)
+    for path in state.get("report_paths") or []:
+        if path.endswith("report.md"):
+            console.print(f"report {where}: {path}" if where else f"report: {path}", soft_wrap=True)
+            if show_report:
+                print(Path(path).read_text(encoding="utf-8"))
+    return True
+
+
+def show_review(payload: dict) -> None:
+    """The review payload (graph/review.py) as a person reads it: the patch, its intent and evidence, the figures so far."""
+    intent = payload.get("intent") or {}
+    where = ", ".join(f"{s['file']}:{s['line_start']}" for s in intent.get("spans") or [])
+    console.print(f"candidate {payload['candidate']} — recipe {payload.get('recipe_id')} — intent {intent.get('category')} at {where}",
+                  soft_wrap=True)
+    console.print(f"evidence: {json.dumps(intent.get('evidence'), default=str)}", soft_wrap=True, highlight=False)
+    measured = payload.get("measured") or {}
+    if measured.get("baseline_step_s"):
+        judged = [v for v in measured.get("verdicts") or [] if v.get("candidate")]
+        console.print(f"so far: baseline step {measured['baseline_step_s'] * 1000:.1f} ms; {len(judged)} candidate(s) judged, "
+                      f"{len(measured.get('accepted') or [])} accepted (gate ratios multiply to {measured.get('accepted_ratio_product', 1.0):.3f})",
+                      soft_wrap=True, highlight=False)
+        for verdict in judged:
+            ratio = f", ratio {verdict['ratio']:.3f}" if verdict.get("ratio") else ""
+            console.print(f"  {verdict['candidate']}: {verdict['reason']}{ratio}", soft_wrap=True, highlight=False)
+    Console().print(Syntax(payload.get("diff") or "", "diff"))
+
+
+def ask_decision(payload: dict, action: Optional[str], reason: Optional[str], patch_file: Optional[Path]) -> dict:
+    """The resume value (review schema) from the options, asking for what is missing."""
+    from trainbridge.graph.review import REVIEW_SCHEMA_VERSION
+
+    action = action or typer.prompt("approve, reject or edit", type=str)
+    decision: dict = {"schema": REVIEW_SCHEMA_VERSION, "action": action}
+    if action == "reject":
+        decision["reason"] = reason or typer.prompt("reason")
+    elif action == "edit":
+        decision["patch"] = patch_file.read_text(encoding="utf-8") if patch_file else _edit_in_editor(payload.get("diff") or "")
+    elif action != "approve":
+        _error("action must be approve, reject or edit")
+        raise typer.Exit(2)
+    return decision
+
+
+def _edit_in_editor(diff: str) -> str:
+    editor = os.environ.get("EDITOR") or os.environ.get("VISUAL") or "vi"
+    with tempfile.NamedTemporaryFile("w", suffix=".patch", delete=False) as handle:
+        handle.write(diff)
+    try:
+        subprocess.run([*editor.split(), handle.name], check=True)
+        return Path(handle.name).read_text(encoding="utf-8")
+    finally:
+        Path(handle.name).unlink(missing_ok=True)

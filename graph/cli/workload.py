@@ -1,0 +1,189 @@
+"""CLI commands that inspect one workload without the loop: measure, analyze, collect-evidence.
+
+Mounted on the root app by graph/cli/app.py. Nothing here runs at import time.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from trainbridge.graph.cli.inputs import resolve_repo
+from trainbridge.graph.cli.terminal import console
+from trainbridge.graph.cli.terminal import error as _error
+from trainbridge.sandbox.backends import BACKENDS
+from trainbridge.sandbox.results import RunResult
+
+
+def _stdout() -> Console:
+    """Tables go to stdout, wide enough to read when piped."""
+    return Console(width=None if sys.stdout.isatty() else 200)
+
+
+def measure(
+    repo: str = typer.Argument(..., help="Repository root with a trainbridge.toml, or a bundled example name such as llama_pretrain."),
+    backend: str = typer.Option("cpu", "--backend", "-b", help=f"Device backend: {', '.join(BACKENDS)}."),
+    steps: Optional[int] = typer.Option(None, help="Measured steps (default: the repo's trainbridge.toml)."),
+    warmup: Optional[int] = typer.Option(None, help="Warm-up steps, not measured (default: trainbridge.toml)."),
+    timeout: Optional[float] = typer.Option(None, help="Wall-clock limit in seconds for the whole run."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads for the child (default: trainbridge.toml, else 2)."),
+    seed: Optional[int] = typer.Option(None, help="Seed for parameters and batches."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the full result as JSON to this file ('-' for stdout)."),
+    launch: Optional[list[str]] = typer.Argument(None, metavar="[-- LAUNCH...]", help="Script mode: the command the repository trains with, after `--` (e.g. `-- python train.py --batch_size=4`); replaces trainbridge.toml's launch/entry/command."),
+) -> None:
+    """Run a workload's training step in the sandbox and print step-time statistics and losses.
+
+    `trainbridge measure <repo> -- python train.py ...` runs the script unmodified (script mode); without a launch line, trainbridge.toml says how to run a step.
+    The step runs in a child process (own process group, memory cap, scrubbed environment, no network where the host allows); times are device-synchronised. Exit code 1 if the run failed.
+    """
+    from trainbridge.sandbox.backends import availability as backend_availability
+    from trainbridge.sandbox.runner import run_workload
+    from trainbridge.sandbox.workload import WorkloadConfigError, load_workload, workload_for_launch
+
+    if backend not in BACKENDS:
+        raise typer.BadParameter(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}", param_hint="--backend")
+    availability = backend_availability(backend)
+    if not availability.available:
+        _error(f"backend {backend} is not available: {availability.reason}")
+        raise typer.Exit(2)
+    try:
+        root = resolve_repo(repo)
+        loaded = workload_for_launch(root, launch_line(launch)) if launch else load_workload(root)
+        workload = loaded.with_overrides(steps=steps, warmup_steps=warmup, timeout_s=timeout, threads=threads, seed=seed)
+    except WorkloadConfigError as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
+    with _progress() as progress:
+        task = progress.add_task(f"measuring {workload.root.name}", total=workload.config.warmup_steps + workload.config.steps)
+        result = run_workload(workload, backend=backend, on_progress=lambda done, total: progress.update(task, completed=done, total=total))
+    _print_result(workload.root, result)
+    if json_out is not None:
+        _write_json(json_out, json.dumps({"repo": str(workload.root), **result.model_dump(mode="json")}, indent=2))
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+def analyze(
+    repo: str = typer.Argument(..., help="Repository root with a trainbridge.toml, or a bundled example name."),
+    backend: str = typer.Option("cpu", "--backend", "-b", help=f"Target backend whose eager step is profiled: {', '.join(BACKENDS)}."),
+    static: bool = typer.Option(False, "--static", help="Source scan only: no code is run, intents are lower-confidence and unestimated."),
+    reference: Optional[Path] = typer.Option(None, "--reference", help="Evidence pack from `trainbridge collect-evidence` (e.g. made on a GPU machine) instead of compiling here."),
+    no_reference: bool = typer.Option(False, "--no-reference", help="Skip the torch.compile reference (faster; K and savings become coarse)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the whole analysis (all evidence) as JSON to this file ('-' for stdout)."),
+) -> None:
+    """Find where the eager program is fragmented: ranked intents with their evidence.
+
+    Profiles the eager step per source line on the target, compiles the same step with torch.compile (Inductor) as the reference (or reads --reference), runs Ascend's advisor rules and a source scan, and aligns them by source line. K vs N: reference kernels vs eager ops on those lines per step. Savings are estimates, never measurements.
+    """
+    from trainbridge.agents.analyst.analyze import AnalysisError, analyze_repo
+    from trainbridge.sandbox.workload import WorkloadConfigError, load_workload
+    from trainbridge.tools.tables import intents_table
+
+    try:
+        workload = load_workload(resolve_repo(repo))
+    except WorkloadConfigError as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
+    if reference is not None and not reference.is_file():
+        raise typer.BadParameter(f"{reference} does not exist", param_hint="--reference")
+    with console.status("analysing") as status:
+        try:
+            analysis = analyze_repo(workload, backend=backend, static_only=static, reference_pack=reference,
+                                    compile_reference=not no_reference,
+                                    on_phase=lambda phase: status.update(f"analysing {workload.root.name}: {phase.replace('_', ' ')}"))
+        except AnalysisError as exc:
+            _error(str(exc))
+            raise typer.Exit(1) from None
+    _stdout().print(intents_table(analysis.intents, f"{workload.root.name}: {len(analysis.intents)} intents ({analysis.mode})"))
+    phases = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in analysis.phase_seconds.items())
+    console.print(f"phases: {phases}", soft_wrap=True)
+    for note in analysis.notes + [f"skipped {s}" for s in analysis.skipped_files]:
+        console.print(f"note: {note}", soft_wrap=True)
+    if json_out is not None:
+        _write_json(json_out, analysis.model_dump_json(indent=2))
+
+
+def collect_evidence(
+    repo: str = typer.Argument(..., help="Repository root with a trainbridge.toml, or a bundled example name."),
+    out: Path = typer.Option(..., "--out", "-o", help="Evidence pack to write (.tar.gz)."),
+    backend: str = typer.Option("cpu", "--backend", "-b", help="Device to compile on: cuda on a GPU machine, else cpu."),
+) -> None:
+    """Compile the workload's step with torch.compile here and write a portable evidence pack.
+
+    Run it where the reference compiler is best (a GPU machine), copy the pack, and pass it to `trainbridge analyze --reference PACK` or `trainbridge run --reference PACK` on the target host.
+    """
+    import tempfile
+
+    from trainbridge.sandbox.runner import run_workload
+    from trainbridge.sandbox.workload import WorkloadConfigError, load_workload
+    from trainbridge.tools.evidence_pack import write_pack
+
+    try:
+        workload = load_workload(resolve_repo(repo))
+    except WorkloadConfigError as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
+    with tempfile.TemporaryDirectory(prefix="trainbridge-evidence-") as tmp, console.status("compiling the step with torch.compile"):
+        evidence_dir = Path(tmp) / "evidence"
+        result = run_workload(workload.with_overrides(steps=2, warmup_steps=0), backend=backend, mode="capture",
+                              extra_request={"evidence_dir": str(evidence_dir)})
+        if result.failure is not None:
+            _error(f"capture failed ({result.failure.kind}): {result.failure.message}")
+            raise typer.Exit(1)
+        trace = evidence_dir / "trace.json"
+        write_pack(evidence_dir, out, trace=trace if trace.is_file() else None, repo_root=workload.root, trim=True)
+    console.print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
+
+
+def launch_line(argv: list[str]) -> str:
+    """The words after `--` as one launch line (quoted where needed, so the parser reads back the same argv)."""
+    import shlex
+
+    return shlex.join(argv)
+
+
+def _write_json(target: Path, payload: str) -> None:
+    if str(target) == "-":
+        sys.stdout.write(payload + "\n")
+    else:
+        target.write_text(payload + "\n", encoding="utf-8")
+        console.print(f"wrote {target}")
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
+
+
+def _print_result(root: Path, result: RunResult) -> None:
+    table = Table(title=f"{root.name} on {result.backend} ({result.threads} threads, seed {result.seed})", show_header=True)
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    if result.step_times_s:
+        table.add_row("measured steps", str(len(result.step_times_s)))
+        table.add_row("median step", f"{result.median_step_s() * 1000:.1f} ms")
+        table.add_row("p10 / p90 step", f"{result.quantile_step_s(0.1) * 1000:.1f} / {result.quantile_step_s(0.9) * 1000:.1f} ms")
+    if result.warmup_times_s:
+        table.add_row("first (warm-up) step", f"{result.warmup_times_s[0] * 1000:.1f} ms")
+    if result.losses:
+        table.add_row("loss first -> last", f"{result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+    sources = (result.extra.get("script") or {}).get("loss_sources")
+    if sources:  # script mode: backward's scalars, GradScaler's unscaled, or the printed loss (sandbox/script/loss.py)
+        table.add_row("loss from", ", ".join(f"{name} ({count} steps)" for name, count in sources.items()))
+    if result.peak_memory_bytes:
+        table.add_row("peak memory", f"{result.peak_memory_bytes / 2**20:.0f} MiB")
+    table.add_row("network", "isolated" if result.network_isolated else "not isolated")
+    table.add_row("torch", result.versions.get("torch", "?"))
+    _stdout().print(table)
+    if result.failure is not None:
+        _error(f"failed ({result.failure.kind}): {result.failure.message}")
+        if result.failure.traceback_tail:
+            console.print(result.failure.traceback_tail, markup=False, highlight=False, soft_wrap=True)
+    else:
+        console.print("[green]ok[/]: speed measured on this machine's " + result.backend)

@@ -1,0 +1,118 @@
+"""Script mode, parent side: what a script-mode run is asked over the channel, and what its failures mean.
+
+sandbox/runner.py drives the child (sandbox/script/launcher.py) through sandbox/child/step_driver.py, as
+for entry mode; this module checks the launch line and the files before anything starts, builds
+the request and the run's working directory (sandbox/script/files.py), and turns the bare
+failures of a script (a timeout before any step, an early exit) into messages that say what to do.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainbridge.sandbox.results import Failure, FailureKind, RunResult
+from trainbridge.sandbox.script.capture import capture_plan  # noqa: F401 - harness mode "capture": the runner asks script_run for its steps
+from trainbridge.sandbox.script.files import DataPathError, RunDir, make_run_dir, snapshot
+from trainbridge.sandbox.script.launch import LaunchSpec, parse_launch
+from trainbridge.sandbox.workload import DEFAULT_LOSS_PATTERN, Workload
+
+LAUNCHER_MODULE = "trainbridge.sandbox.script.launcher"
+RANKS_MODULE = "trainbridge.sandbox.child.rank_supervisor"  # torchrun with several ranks (sandbox/child/rank_group.py)
+OUTPUT_TAIL_CHARS = 2000
+SCRIPT_MODES = ("measure", "gate", "profile", "capture")
+PROFILE_TIMED_STEPS = 3  # unprofiled steps timed before the recorded ones, as tools/eager_profile.record_eager_ops does
+
+
+def profile_plan(warmup: int, steps: int):
+    """Harness mode "profile" as steps: warm-up, PROFILE_TIMED_STEPS timed ones, then `steps` recorded ones;
+    and what the launcher is told about them."""
+    from trainbridge.sandbox.child.step_driver import StepPlan
+
+    timed = max(steps, PROFILE_TIMED_STEPS)
+    plan = StepPlan(warmup=list(range(warmup)), measured=list(range(warmup, warmup + timed)),
+                    cooldown=list(range(warmup + timed, warmup + timed + steps)))
+    return plan, {"timed_from": warmup, "start": warmup + timed, "steps": steps}
+
+
+@dataclass
+class ScriptSetup:
+    request: dict[str, Any]
+    run_dir: RunDir
+    spec: LaunchSpec
+    data_before: dict[str, tuple[int, int]]
+
+
+def prepare(workload: Workload, *, backend: str, mode: str, tmp_dir: Path, extra_request: dict[str, Any] | None) -> ScriptSetup | Failure:
+    """The request and the working directory of one script-mode run, or the Failure that stops it before it starts."""
+    config = workload.config
+    spec = parse_launch(config.launch or "")
+    problem = launch_problem(workload)
+    if problem:
+        return Failure(kind=FailureKind.bad_workload, message=problem)
+    if mode not in SCRIPT_MODES:
+        return Failure(kind=FailureKind.bad_workload, message=f"harness mode {mode!r} is not available in script mode; script "
+                       f"mode runs {', '.join(SCRIPT_MODES)}. Add an entry = \"module:function\" to trainbridge.toml (precise "
+                       "mode) for the others")
+    if "loss" not in re.compile(config.loss_pattern).groupindex:
+        return Failure(kind=FailureKind.bad_workload, message=f"loss_pattern {config.loss_pattern!r} of trainbridge.toml needs a named "
+                       "group (?P<loss>...) around the number, e.g. loss_pattern = 'train_loss=(?P<loss>[-+0-9.eE]+)'")
+    try:
+        run_dir = make_run_dir(workload.root, config.data, tmp_dir / "cwd")
+    except DataPathError as exc:
+        return Failure(kind=FailureKind.bad_workload, message=str(exc))
+    request = {"mode": mode, "root": str(workload.root), "launch": spec.to_json(), "overrides": config.overrides,
+               "pythonpath": config.pythonpath, "backend": backend, "seed": config.seed, "threads": config.threads,
+               "protected": [str(p) for p in run_dir.protected],
+               # the printed loss: the fallback when backward() saw no scalar, the source when the toml sets its own pattern
+               "loss_pattern": config.loss_pattern, "loss_pattern_preferred": config.loss_pattern != DEFAULT_LOSS_PATTERN,
+               **(extra_request or {})}
+    return ScriptSetup(request=request, run_dir=run_dir, spec=spec, data_before=snapshot(list(run_dir.data_sources.values())))
+
+
+def launch_problem(workload: Workload) -> str | None:
+    """Why the workload's launch line cannot run here, before anything starts (None: it can)."""
+    spec = parse_launch(workload.config.launch or "")
+    problem = spec.launch_problem()
+    if problem:
+        return problem
+    if spec.script is not None and not (workload.root / spec.script).is_file():
+        near = sorted(p.name for p in workload.root.glob("*.py"))[:8]
+        return (f"script {spec.script!r} of launch line {spec.line!r} not found in {workload.root}"
+                + (f" (Python files there: {', '.join(near)})" if near else ""))
+    return None
+
+
+def finish(result: RunResult, setup: ScriptSetup, closing: dict[str, Any] | None, timeout_s: float) -> RunResult:
+    """Script-mode facts into the result (extra["script"]), and failures explained."""
+    from trainbridge.sandbox.script.files import changed
+
+    info: dict[str, Any] = dict((closing or {}).get("script") or {})
+    result.extra.update((closing or {}).get("extra") or {})  # harness mode "profile": eager_ops, optimizer_class
+    if (closing or {}).get("notes"):
+        info["notes"] = list(closing["notes"])
+    info.update(launch=setup.spec.line, cwd=str(setup.run_dir.cwd), data={k: str(v) for k, v in setup.run_dir.data_sources.items()},
+                overrides=setup.request["overrides"])
+    touched = changed(setup.data_before, snapshot(list(setup.run_dir.data_sources.values())))
+    info["data_changed"] = touched
+    result.extra["script"] = info
+    failure = result.failure
+    if failure is None and touched:
+        result.failure = Failure(kind=FailureKind.bad_workload, message=f"the run changed files of your checkout's data: "
+                                 f"{', '.join(touched[:5])}; the data must stay read-only")
+        return result
+    if failure is None:
+        return result
+    output = (result.stdout_tail + result.stderr_tail)[-OUTPUT_TAIL_CHARS:].strip()
+    steps = len(result.inner_step_times_s)
+    if failure.kind == FailureKind.timeout and steps == 0 and "numerics" not in result.extra:
+        failure.message = (f"no optimizer step within the {timeout_s:g} s limit: the script never reached its first backward() "
+                           "or optimizer.step() (it may wait for input, a download, a lock, or its set-up is too slow for the "
+                           "limit: raise timeout_s or shrink it with [overrides])")
+    if failure.kind in (FailureKind.bad_workload, FailureKind.timeout, FailureKind.crashed) and output and not failure.traceback_tail:
+        failure.traceback_tail = output
+    if "its output tail is below" in failure.message and output:
+        failure.message = failure.message.replace("its output tail is below", f"its output ends: {output[-600:]}")
+    return result

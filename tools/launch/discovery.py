@@ -1,0 +1,343 @@
+"""Find a repository's training script and the line its authors launch it with, for `trainbridge init`.
+
+    found = discover_launch(Path("~/src/nanogpt").expanduser())
+    found.best.launch        # "python train.py config/train_shakespeare_char.py"
+    found.best.evidence[0]   # README.md:41, markdown code block
+    found.settings           # batch_size = 12 (constant, train.py:19), n_layer = 12, ...
+    found.data_paths         # ["data/"]: read by the script, ignored by git
+
+Evidence, strongest first: a command in a README's shell code block, in a shell script, in inline
+code of a markdown file; then a Python file that runs as a script (an `if __name__ == "__main__"`
+block or module-level code), builds an optimizer and calls `.backward()` (itself, or in a module of
+the repository it imports, such as an engine.py), with no launch line written anywhere. A line only counts when its script is in the repository and trains; a script that
+runs but never steps an optimizer (it evaluates, samples, prepares data) is a near miss, reported
+with what it lacks. Everything is read from files (markdown, shell, Python through `ast`): nothing
+of the repository runs here.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from enum import StrEnum
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainbridge.tools.git.ignore_rules import IgnoreRules
+from trainbridge.tools.launch.lines import ParsedLaunch, lines_in_markdown, lines_in_shell, parse_launch
+from trainbridge.tools.launch.script_facts import SIZE_NAMES, ScriptFacts, SettingHint, read_script_facts
+
+_SKIPPED_DIRS = {".git", ".venv", "venv", "env", "node_modules", "__pycache__", "site-packages", "build", "dist",
+                 ".tox", ".mypy_cache", ".pytest_cache", "wandb"}
+_MAX_DEPTH = 4
+_MAX_FILES = 5000
+_DATA_SEARCH_LIMIT = 50_000  # files looked at when a bare data name is searched for below the root
+
+
+class EvidenceKind(StrEnum):
+    markdown_block = "markdown code block"
+    shell_script = "shell script"
+    markdown_inline = "markdown inline code"
+    script_only = "training script (no launch line written)"
+
+
+_KIND_SCORE = {EvidenceKind.markdown_block: 3.0, EvidenceKind.shell_script: 2.5, EvidenceKind.markdown_inline: 2.0,
+               EvidenceKind.script_only: 1.0}
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LaunchEvidence(_Record):
+    kind: EvidenceKind
+    file: str  # repo-relative
+    line: int
+    text: str  # the command (or the script's first training line) as written
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+class LaunchCandidate(_Record):
+    """One way to launch the training: argv as the authors wrote it, and why it was ranked where it is."""
+
+    launch: str  # argv joined for a shell-free `launch = "..."`
+    argv: list[str]
+    script: str  # repo-relative path of the training script
+    torchrun: bool = False
+    nproc: int | None = None
+    config_files: list[str] = Field(default_factory=list)  # config-file arguments (nanoGPT style)
+    env: dict[str, str] = Field(default_factory=dict)  # leading KEY=value assignments of the line
+    evidence: list[LaunchEvidence]
+    score: float
+    reasons: list[str]
+
+
+class NearMiss(_Record):
+    script: str
+    reason: str
+
+
+class Setting(_Record):
+    name: str
+    value: str
+    kind: str
+    where: str  # file:line
+    key: str = ""  # the [overrides] key that changes it (the name for a constant)
+
+
+class Discovery(_Record):
+    repo: str
+    candidates: list[LaunchCandidate]  # best first
+    near_misses: list[NearMiss] = Field(default_factory=list)
+    skipped: list[str] = Field(default_factory=list)  # launch lines that were not taken, and why
+    settings: list[Setting] = Field(default_factory=list)  # of the best candidate's script, sizes first
+    data_paths: list[str] = Field(default_factory=list)  # read by the best script, ignored by git
+    data_missing: list[str] = Field(default_factory=list)  # bare names it reads that are nowhere on disk yet
+    configurable_by: list[str] = Field(default_factory=list)  # how the best script takes settings
+    distributed: bool = False  # the best script initialises torch.distributed / reads RANK
+
+    @property
+    def best(self) -> LaunchCandidate | None:
+        return self.candidates[0] if self.candidates else None
+
+    def nothing_found(self) -> str:
+        """The message for a repository without a training script: where it looked, what came close."""
+        lines = [f"no training script found in {self.repo}: looked for launch lines in README/markdown code "
+                 "blocks and shell scripts, and for Python files that run as a script, build an optimizer and "
+                 "call .backward()."]
+        lines += [f"  near miss: {m.script}: {m.reason}" for m in self.near_misses]
+        lines += [f"  not taken: {s}" for s in self.skipped]
+        lines.append("Write `launch = \"python <your script> ...\"` into trainbridge.toml yourself, or use entry "
+                     "mode (`entry = \"module:function\"`, see the README's 'The workload contract').")
+        return "\n".join(lines)
+
+
+def repository_files(root: Path) -> list[str]:
+    """Repo-relative POSIX paths of the files worth reading, sorted, skipping environments and caches."""
+    found: list[str] = []
+    for folder, dirs, files in os.walk(root):
+        rel = Path(folder).relative_to(root)
+        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS and not d.startswith(".")
+                         and len(rel.parts) < _MAX_DEPTH)
+        found += [(rel / name).as_posix() for name in files if name.endswith((".md", ".sh", ".py"))]
+        if len(found) > _MAX_FILES:
+            break
+    return sorted(found, key=lambda p: (p.count("/"), p))
+
+
+def discover_launch(repo: Path) -> Discovery:
+    """Ranked launch candidates of the training in `repo` (a folder), with the settings and data
+    paths of the best one."""
+    root = Path(repo).resolve()
+    files = repository_files(root)
+    facts: dict[str, ScriptFacts] = {}
+
+    def facts_of(rel: str) -> ScriptFacts | None:
+        if rel not in facts and (root / rel).is_file():
+            facts[rel] = read_script_facts(root, rel)
+        return facts.get(rel)
+
+    def training_of(rel: str) -> str | None:
+        """Why `rel` counts as a training script, or None: it builds an optimizer and calls .backward()
+        itself, or calls it through a module of the repository it imports (an engine.py's train_one_epoch)."""
+        script_facts = facts_of(rel)
+        if script_facts is None or not script_facts.runs_as_script or not script_facts.optimizer_lines:
+            return None
+        if script_facts.backward_lines:
+            return f"{rel} builds an optimizer and calls .backward()"
+        for module in script_facts.imports:
+            imported = _module_file(root, rel, module)
+            helper = facts_of(imported) if imported else None
+            if helper is not None and helper.backward_lines:
+                return f"{rel} builds an optimizer; .backward() is called in {imported}:{helper.backward_lines[0]}"
+        return None
+
+    found: dict[tuple[str, ...], LaunchCandidate] = {}
+    skipped: list[str] = []
+    for rel in files:
+        if rel.endswith(".md"):
+            lines = lines_in_markdown((root / rel).read_text(encoding="utf-8", errors="replace"))
+        elif rel.endswith(".sh"):
+            lines = lines_in_shell((root / rel).read_text(encoding="utf-8", errors="replace"))
+        else:
+            continue
+        for number, command, kind in lines:
+            parsed = parse_launch(command)
+            if parsed is None:
+                continue
+            script = _resolve_script(root, rel, parsed.script)
+            where = f"{rel}:{number}"
+            if script is None:
+                skipped.append(f"{where} `{command}`: {parsed.script} is not in the repository")
+                continue
+            script_facts = facts_of(script)
+            if script_facts is None or training_of(script) is None:
+                why = script_facts.syntax_error or script_facts.why_not_training() if script_facts else "unreadable"
+                skipped.append(f"{where} `{command}`: {script} {why}")
+                continue
+            _add(found, parsed, script, LaunchEvidence(kind=EvidenceKind(kind), file=rel, line=number, text=command),
+                 root, facts_of, training_of(script))
+
+    near: list[NearMiss] = []
+    for rel in files:
+        if not rel.endswith(".py"):
+            continue
+        script_facts = facts_of(rel)
+        if script_facts is None or not script_facts.runs_as_script:
+            continue
+        if training_of(rel) is None:
+            if Path(rel).name == "configurator.py" and any(facts_of(c.script).uses_configurator for c in found.values()):
+                continue  # exec'd by the training script to read its settings, not a program of its own
+            near.append(NearMiss(script=rel, reason=f"runs as a script but {script_facts.why_not_training()}"))
+        elif not any(c.script == rel for c in found.values()):
+            line = script_facts.main_guard or min(script_facts.backward_lines or script_facts.optimizer_lines)
+            parsed = ParsedLaunch(argv=["python", rel], script=rel, script_args=[])
+            _add(found, parsed, rel, LaunchEvidence(kind=EvidenceKind.script_only, file=rel, line=line,
+                                                    text=f"python {rel}"), root, facts_of, training_of(rel))
+
+    candidates = sorted(found.values(), key=lambda c: (-c.score, c.evidence[0].file.count("/"), c.evidence[0].file,
+                                                       c.evidence[0].line))
+    discovery = Discovery(repo=str(root), candidates=candidates, near_misses=near, skipped=skipped)
+    if candidates:
+        _describe_best(discovery, root, facts_of)
+    return discovery
+
+
+def _resolve_script(root: Path, source: str, script: str) -> str | None:
+    """The script's repo-relative path: from the root, else from the folder of the file naming it."""
+    for base in (root, (root / source).parent):
+        path = (base / script).resolve()
+        if path.is_file() and path.is_relative_to(root):
+            return path.relative_to(root).as_posix()
+    return None
+
+
+def _module_file(root: Path, importer: str, module: str) -> str | None:
+    """The repo-relative file of `module` as imported by `importer` (from its folder or the root)."""
+    level = len(module) - len(module.lstrip("."))
+    parts = [p for p in module.lstrip(".").split(".") if p]
+    bases = [(root / importer).parents[level - 1]] if level else [(root / importer).parent, root]
+    for base in bases:
+        for path in (base.joinpath(*parts).with_suffix(".py") if parts else None, base.joinpath(*parts, "__init__.py")):
+            if path is not None and path.is_file() and path.resolve().is_relative_to(root):
+                return path.resolve().relative_to(root).as_posix()
+    return None
+
+
+def _add(found: dict[tuple[str, ...], LaunchCandidate], parsed: ParsedLaunch, script: str, evidence: LaunchEvidence,
+         root: Path, facts_of, training: str) -> None:
+    key = tuple(parsed.argv)
+    if key in found:
+        held = found[key]
+        bonus = 0.5 if len(held.evidence) < 3 else 0.0
+        found[key] = held.model_copy(update={"evidence": [*held.evidence, evidence], "score": held.score + bonus,
+                                             "reasons": [*held.reasons, f"also in {evidence.where} (+{bonus:g})"]})
+        return
+    score = _KIND_SCORE[evidence.kind] + 3.0
+    reasons = [f"{evidence.kind} at {evidence.where} (+{_KIND_SCORE[evidence.kind]:g})",
+               f"{training} (+3)"]
+    if Path(script).stem.startswith("train"):
+        score += 0.5
+        reasons.append("the script is named train* (+0.5)")
+    if Path(evidence.file).name.lower().startswith("readme"):
+        score += 0.25
+        reasons.append("written in a README (+0.25)")
+    configs = [arg for arg in parsed.script_args if arg.endswith(".py")
+               and (facts := facts_of(_resolve_script(root, evidence.file, arg) or "")) is not None
+               and facts.only_assignments]
+    found[key] = LaunchCandidate(launch=shlex.join(parsed.argv), argv=parsed.argv, script=script,
+                                 torchrun=parsed.torchrun, nproc=parsed.nproc, config_files=configs, env=parsed.env,
+                                 evidence=[evidence], score=score, reasons=reasons + parsed.notes)
+
+
+def _describe_best(discovery: Discovery, root: Path, facts_of) -> None:
+    best = discovery.candidates[0]
+    script = facts_of(best.script)
+    sources = [script] + [f for f in (facts_of(_resolve_script(root, best.evidence[0].file, c) or "")
+                                      for c in best.config_files) if f is not None]
+    settings: dict[str, Setting] = {}
+    for facts in sources:  # a config file's value overrides the script's default, as it does at run time
+        for hint in facts.settings:
+            settings[hint.name] = _setting(hint, facts.path)
+    for facts in sources:  # a dataclass field the script passes explicitly, `GPTConfig(n_layer=12)`: only a call override changes it
+        for callee, keyword, value, line in facts.call_keywords:
+            field_setting = settings.get(keyword)
+            if field_setting is not None and field_setting.key == f"{callee}.{keyword}":
+                settings[keyword] = Setting(name=keyword, value=value, kind="call keyword", where=f"{facts.path}:{line}",
+                                            key=f"{callee}({keyword})")
+    order = {name: i for i, name in enumerate(SIZE_NAMES)}
+    discovery.settings = sorted(settings.values(), key=lambda s: (order.get(s.name, len(order)), s.where))
+    how = []
+    if script.uses_configurator:
+        how.append("configurator.py: --key=value arguments and config files override the module-level constants")
+    if script.uses_argparse:
+        how.append("argparse options")
+    if any(s.kind == "dataclass field" for s in settings.values()):
+        how.append("a hyperparameter dataclass (overrides of its defaults)")
+    discovery.configurable_by = how
+    discovery.distributed = script.distributed
+    rules = IgnoreRules.of(root)
+    data: list[str] = []
+    missing: list[str] = []
+    for facts in sources:
+        for text, _line in facts.path_strings:
+            path = _ignored_root(text, rules)
+            if path is None:
+                continue
+            for found in _located(root, path, rules, missing):
+                if found not in data:
+                    data.append(found)
+    discovery.data_paths = data
+    discovery.data_missing = missing
+
+
+def _setting(hint: SettingHint, path: str) -> Setting:
+    return Setting(name=hint.name, value=hint.value, kind=hint.kind, where=f"{path}:{hint.line}", key=hint.override_key)
+
+
+def _ignored_root(text: str, rules: IgnoreRules) -> str | None:
+    """The shortest prefix of the path `text` that git ignores (or a top folder git ignores things
+    inside), e.g. `data/` for `data/shakespeare/train.bin`; None for a path git keeps."""
+    clean = text.removeprefix("./")
+    if clean.startswith(("/", "~", "http:", "https:")) or ".." in clean.split("/"):
+        return None
+    parts = [p for p in clean.split("/") if p]
+    for depth in range(1, len(parts) + 1):
+        is_dir = depth < len(parts) or clean.endswith("/")
+        prefix = "/".join(parts[:depth])
+        if rules.ignored(prefix, is_dir=is_dir):
+            return prefix + ("/" if is_dir else "")
+    if parts and (len(parts) > 1 or clean.endswith("/")) and rules.ignores_inside(parts[0]):
+        return parts[0] + "/"  # e.g. `data/**/*.bin`: the data under the folder is ignored, not the folder
+    return None
+
+
+def _located(root: Path, path: str, rules: IgnoreRules, missing: list[str]) -> list[str]:
+    """Where an ignored path the script names lies, relative to the root. A bare name (`train.bin`,
+    usually joined to a folder at run time: `os.path.join(data_dir, "train.bin")`) that is not at the
+    root is looked for below it: every ignored file of that name, by its path; one found nowhere is
+    left out (a data entry that does not exist stops every run) and noted in `missing`."""
+    if "/" in path.rstrip("/") or os.path.lexists(root / path):
+        return [path]
+    hits = [rel for rel in _files_named(root, path.rstrip("/")) if rules.ignored(rel, is_dir=False)]
+    if not hits and path not in missing:
+        missing.append(path)
+    return hits
+
+
+def _files_named(root: Path, name: str, limit: int = _DATA_SEARCH_LIMIT) -> list[str]:
+    """Paths (relative, sorted) of the files called `name` below `root`, hidden and environment folders skipped."""
+    hits: list[str] = []
+    seen = 0
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIPPED_DIRS)
+        seen += len(files)
+        if name in files:
+            hits.append(Path(folder, name).relative_to(root).as_posix())
+        if seen > limit:
+            break
+    return sorted(hits)
