@@ -7,3 +7,5 @@ from pathlib import Path
 BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 if BENCHMARKS not in sys.path:
     sys.path.append(BENCHMARKS)
+
+pytest_plugins = ["trainbridge.tests.suite_clock"]
