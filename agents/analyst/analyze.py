@@ -48,7 +48,8 @@ class Analysis(Record):
     reference_step_s: float | None = Field(default=None, description="median step of the torch.compile reference when compiled "
                                            "here (same machine and sandbox as the eager runs; one run, not interleaved)")
     reference: EvidenceSummary | None = None
-    reference_source: str | None = Field(default=None, description="'compiled here' or the pack's path")
+    reference_source: str | None = Field(default=None, description="where the reference was compiled ('compiled here', "
+                                         "'compiled here on the host CPU ...' for an NPU target without an NPU) or the pack's path")
     skipped_files: list[str] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
 
@@ -87,7 +88,8 @@ def analyze_repo(
     if reference_pack is not None or compile_reference:
         with _timed("reference", timings, on_phase), scratch_dir("trainbridge-evidence-") as tmp:
             evidence_dir, source = _reference_dir(workload, backend, reference_pack, Path(tmp))
-            reference_step_s = _compiled_step_s(evidence_dir) if reference_pack is None else None
+            # a reference compiled on another device than the target's times nothing the target's steps compare with
+            reference_step_s = _compiled_step_s(evidence_dir) if reference_pack is None and source != HOST_REFERENCE else None
             parsed = parse_evidence_dir(evidence_dir, root)
             reference_groups, summary = parsed.groups, parsed.summary
     else:
@@ -121,12 +123,31 @@ def _reference_dir(workload: Workload, backend: str, pack: Path | None, tmp: Pat
         unpacked = read_pack(pack, tmp)
         return unpacked.evidence_dir, str(pack)
     evidence_dir = tmp / "evidence"
+    compile_backend, source = reference_backend(backend)
     # script mode (sandbox/script/capture.py) compiles the modules the optimizers train, or honours the script's own
     # torch.compile, over the script's own steps; entry mode compiles parts["model"]
     timeout_s = max(workload.config.timeout_s, REFERENCE_TIMEOUT_FLOOR_S)
-    captured = run_workload(workload.with_overrides(steps=2, warmup_steps=0, timeout_s=timeout_s), backend=backend, mode="capture",
-                            extra_request={"evidence_dir": str(evidence_dir), "timed_steps": REFERENCE_TIMED_STEPS})
-    return Path(_extra(captured, "evidence_dir", "compiling the reference step with torch.compile")), "compiled here"
+    captured = run_workload(workload.with_overrides(steps=2, warmup_steps=0, timeout_s=timeout_s), backend=compile_backend,
+                            mode="capture", extra_request={"evidence_dir": str(evidence_dir), "timed_steps": REFERENCE_TIMED_STEPS})
+    return Path(_extra(captured, "evidence_dir", f"compiling the reference step with torch.compile ({source})")), source
+
+
+HOST_REFERENCE = ("compiled here on the host CPU (Inductor): no NPU on this host, so the reference is what Inductor fuses "
+                  "for the same lines on the CPU")
+
+
+def reference_backend(backend: str) -> tuple[str, str]:
+    """The backend the torch.compile reference of a `backend` target is compiled on, and how the analysis says so.
+    An NPU target compiles on the NPU when a real torch_npu is usable; without one the reference runs on the host
+    CPU: the emulated npu device only checks numerics, it has no compiler (what Inductor fuses is read per source
+    line, and the lines are the same)."""
+    if backend != "npu":
+        return backend, "compiled here"
+    from trainbridge.sandbox.backends import npu_selection
+
+    if npu_selection().mode == "real":
+        return "npu", "compiled here on the NPU"
+    return "cpu", HOST_REFERENCE
 
 
 def _compiled_step_s(evidence_dir: Path) -> float | None:

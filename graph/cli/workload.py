@@ -104,6 +104,8 @@ def analyze(
     _stdout().print(intents_table(analysis.intents, f"{workload.root.name}: {len(analysis.intents)} intents ({analysis.mode})"))
     phases = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in analysis.phase_seconds.items())
     console.print(f"phases: {phases}", soft_wrap=True)
+    if analysis.reference_source:
+        console.print(f"reference: {analysis.reference_source}", soft_wrap=True, markup=False)
     for note in analysis.notes + [f"skipped {s}" for s in analysis.skipped_files]:
         console.print(f"note: {note}", soft_wrap=True)
     if json_out is not None:
