@@ -68,3 +68,25 @@ def test_demo_uses_a_knowledge_base_of_its_own_unless_told(tmp_path, monkeypatch
     assert seen[-1].kb_url == "http://kb-host:8000" and seen[-1].kb_dir is None
     for config in seen:  # the demo's temporary repositories
         shutil.rmtree(Path(config.repo).parent, ignore_errors=True)
+
+
+def test_version_and_bad_run_options_get_one_line_naming_the_option(tmp_path):
+    """Issue 27: `--version`; `--target` lists its choices; a bad value names its option in one line, without
+    pydantic's field paths or links. Nothing of a run is created for bad input."""
+    from importlib.metadata import version
+
+    from typer.testing import CliRunner
+
+    from trainbridge.graph.cli.app import build_app
+
+    app, runner = build_app(), CliRunner()
+    shown = runner.invoke(app, ["--version"])
+    assert shown.exit_code == 0 and shown.output.strip() == f"trainbridge {version('trainbridge')}"
+    assert "<cpu|cuda|npu>" in runner.invoke(app, ["run", "--help"], terminal_width=200).output
+    bad_target = runner.invoke(app, ["run", str(tmp_path), "--target", "banana"])
+    assert bad_target.exit_code == 2 and "'--target'" in bad_target.output and "'cpu', 'cuda', 'npu'" in bad_target.output
+    bad_gain = runner.invoke(app, ["run", str(tmp_path), "--min-gain", "5"])
+    assert bad_gain.exit_code == 2 and "--min-gain: Input should be less than 1" in bad_gain.output
+    assert "pydantic" not in bad_gain.output and "validation error" not in bad_gain.output
+    bad_budget = runner.invoke(app, ["run", str(tmp_path), "--budget", "banana"], terminal_width=200)
+    assert bad_budget.exit_code == 2 and "Invalid value for --budget: 'banana' is not a duration" in bad_budget.output

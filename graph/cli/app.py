@@ -21,7 +21,16 @@ HELP = ("TrainBridge makes PyTorch training programs fast on Ascend NPUs (and CP
         "APIs on git branches, and keeps only rewrites that a profiler shows faster with unchanged numerics.")
 
 
-def _root() -> None:
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"trainbridge {version('trainbridge')}")
+        raise typer.Exit()
+
+
+def _root(show_version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                            help="Print the version and exit.")) -> None:
     """TrainBridge: compiler-guided, measurement-gated rewrites of PyTorch training programs."""
 
 

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from pydantic import ValidationError
 
 from trainbridge.graph.cli.display import ask_decision, print_outcome, say as _say, show_review
-from trainbridge.graph.cli.inputs import default_run_id, examples_dir, parse_duration, valid_run_id
+from trainbridge.graph.cli.inputs import TargetChoice, config_errors, default_run_id, examples_dir, parse_duration, valid_run_id
 from trainbridge.graph.cli.serve import review_on_server, run_on_server, served_run_status
 from trainbridge.graph.cli.terminal import console
 from trainbridge.graph.cli.terminal import error as _error
@@ -20,6 +21,11 @@ from trainbridge.graph.cli.terminal import error as _error
 CHECKPOINT_HELP = ("Postgres URL of the run's checkpoints (postgresql://user@host:5432/db; the password in PGPASSWORD or ~/.pgpass); "
                    "a run checkpointed there can be shown, reviewed, resumed and reported from any machine that reaches the "
                    "database and the repository (default: TRAINBRIDGE_CHECKPOINT, else the run's SQLite file).")
+
+
+# RunConfig's fields that `run` sets from an option of another name (the rest are --field-name)
+RUN_OPTIONS = {"budget_s": "--budget", "gate_rounds": "--rounds", "reference_pack": "--reference", "categories": "--category",
+               "compile_reference": "--no-reference", "launch": "the launch line after --", "repo": "REPO"}
 
 
 def _checkpoint_option():
@@ -44,7 +50,7 @@ def _report_outcome(outcome) -> None:
 
 def run(
     repo: Path = typer.Argument(..., help="The git checkout of the training repository (never modified; work happens in worktrees)."),
-    target: str = typer.Option("cpu", "--target", "-t", help="Backend to optimise for: cpu, cuda or npu (npu without an NPU: numerics verified by emulation, speed unmeasured)."),
+    target: TargetChoice = typer.Option(TargetChoice.cpu, "--target", "-t", help="Backend to optimise for (npu without an NPU: numerics verified by emulation, speed unmeasured)."),
     budget: str = typer.Option("8h", help="Wall-clock budget, e.g. 8h, 90m, 1h30m."),
     max_candidates: int = typer.Option(50, help="Stop after this many candidates were judged."),
     review: bool = typer.Option(False, "--review", help="Pause at every patch for a person to approve, reject (with a reason) or edit it (`trainbridge review`)."),
@@ -71,7 +77,7 @@ def run(
     from trainbridge.graph.runs import RunError, start_run
     from trainbridge.graph.state import RunConfig
 
-    repo = repo.resolve()
+    repo, target = repo.resolve(), TargetChoice(target).value
     line = None
     if launch:
         from trainbridge.graph.cli.workload import launch_line
@@ -85,11 +91,14 @@ def run(
             raise typer.Exit(2) from None
     name = run_id or default_run_id(repo.name)
     try:
-        config = RunConfig(repo=str(repo), run_id=name, target=target, budget_s=parse_duration(budget), max_candidates=max_candidates,
+        config = RunConfig(repo=str(repo), run_id=name, target=target, budget_s=parse_duration(budget, "--budget"), max_candidates=max_candidates,
                            review=review, reference_pack=str(reference.resolve()) if reference else None,
                            compile_reference=not no_reference, kb_url=kb_url, kb_dir=str(kb_dir) if kb_dir else None,
                            min_gain=min_gain, gate_rounds=rounds, final_rounds=final_rounds, categories=category or None,
                            launch=line, checkpoint=_checkpoint_url(checkpoint), devices=devices, ray=ray)
+    except ValidationError as exc:
+        _error(config_errors(exc, RUN_OPTIONS))
+        raise typer.Exit(2) from None
     except ValueError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
