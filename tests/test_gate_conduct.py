@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from trainbridge.agents.profiler import conduct
-from trainbridge.agents.profiler.drift import TimedDrift, not_repeating, timed_drift, widen_for_drift
+from trainbridge.agents.profiler import drift as caps
+from trainbridge.agents.profiler.drift import (DriftCache, GateDrift, TimedDrift, capped_note, capped_widening, not_repeating, timed_drift,
+                                               widen_for_drift)
 from trainbridge.agents.profiler.integrity import FindingKind, check_timed_deltas
-from trainbridge.agents.profiler.numerics import NumericsResult, NumericsTolerance
+from trainbridge.agents.profiler.numerics import NumericsResult, NumericsTolerance, ParamGradDiff
 from trainbridge.sandbox import proc_watch
 from trainbridge.sandbox.results import ChildWatch, RunResult
 
@@ -107,9 +109,42 @@ def test_drift_widens_tolerances_to_ten_times_the_baselines_own_and_never_tighte
     base = NumericsTolerance()
     stable = widen_for_drift(base, probe, drift)
     assert stable.timed_loss_rtol == base.timed_loss_rtol and stable.timed_delta_cosine_min == base.timed_delta_cosine_min
-    chaotic = widen_for_drift(base, probe, TimedDrift(loss_max_rel_diff=0.02, delta_cosine_min=0.97, delta_norm_max_rel_diff=0.05))
-    assert chaotic.timed_loss_rtol == pytest.approx(0.2) and chaotic.timed_delta_cosine_min == pytest.approx(0.7)
-    assert chaotic.timed_delta_norm_rtol == pytest.approx(0.5)
+    chaotic = widen_for_drift(base, probe, TimedDrift(loss_max_rel_diff=0.002, delta_cosine_min=0.995, delta_norm_max_rel_diff=0.02))
+    assert chaotic.timed_loss_rtol == pytest.approx(0.02) and chaotic.timed_delta_cosine_min == pytest.approx(0.95)
+    assert chaotic.timed_delta_norm_rtol == pytest.approx(0.2)
+
+
+def test_no_drift_widens_a_check_past_its_cap_and_the_verdict_says_so():
+    def probe(loss: float, params: list) -> NumericsResult:
+        return NumericsResult(passed=True, message="", seed=1, batch_indices=[0], tolerance=NumericsTolerance(), baseline_losses=[1.0],
+                              candidate_losses=[1.0 + loss], baseline_grad_loss=1.0, candidate_grad_loss=1.0 + loss, loss_max_rel_diff=loss,
+                              params=params)
+
+    quiet = probe(6e-6, [ParamGradDiff(name="w", shape=[2], cosine=1 - 1e-9, max_abs_diff=1e-7, baseline_max_abs=1.0, passed=True)])
+    wild = probe(0.03, [ParamGradDiff(name="w", shape=[2], cosine=0.5, max_abs_diff=0.5, baseline_max_abs=1.0, passed=False)])
+    resnet = TimedDrift(loss_max_rel_diff=0.0165, delta_cosine_min=0.984, delta_norm_max_rel_diff=0.01)  # the honest drift
+    forged = TimedDrift(loss_max_rel_diff=0.3, delta_cosine_min=0.0, delta_norm_max_rel_diff=0.5)  # evidence copied over the reference's
+    base = NumericsTolerance()
+    widened, capped = capped_widening(base, quiet, resnet)
+    assert widened.timed_loss_rtol == caps.TIMED_LOSS_RTOL_CAP and widened.timed_delta_cosine_min == caps.TIMED_DELTA_COSINE_FLOOR
+    assert (widened.loss_rtol, widened.grad_rtol, widened.grad_cosine_min) == (base.loss_rtol, base.grad_rtol, base.grad_cosine_min)
+    assert widened.timed_delta_norm_rtol == pytest.approx(0.1)
+    assert capped == ["timed_loss_rtol 0.165 capped at 0.05", "timed_delta_cosine_min 0.84 capped at 0.9"]
+    worst, capped_worst = capped_widening(base, wild, forged)
+    assert (worst.loss_rtol, worst.grad_rtol, worst.grad_cosine_min) == (caps.LOSS_RTOL_CAP, caps.GRAD_RTOL_CAP, caps.GRAD_COSINE_FLOOR)
+    assert worst.timed_delta_cosine_min == caps.TIMED_DELTA_COSINE_FLOOR and worst.timed_delta_norm_rtol == caps.TIMED_DELTA_NORM_RTOL_CAP
+    assert worst.timed_loss_rtol == caps.TIMED_LOSS_RTOL_CAP and len(capped_worst) == 6
+    probe = quiet
+    recipe = NumericsTolerance(loss_rtol=0.08, grad_rtol=0.05, grad_cosine_min=0.99)  # a recipe's own wider tolerances stand
+    kept = widen_for_drift(recipe, wild, forged)
+    assert (kept.loss_rtol, kept.grad_rtol, kept.grad_cosine_min, kept.timed_loss_rtol) == (0.08, 0.05, 0.99, 0.08)
+    gate_drift = GateDrift(perturbation="threads=2 vs 1", probe=probe, timed=resnet, margin=caps.MARGIN, tolerance=widened, capped=capped)
+    note = capped_note(gate_drift)
+    assert "threads=2 vs 1" in note and "timed_loss_rtol 0.165 capped at 0.05" in note
+    assert capped_note(gate_drift.model_copy(update={"capped": []})) == ""
+    cache = DriftCache()
+    cache.put("key", gate_drift)
+    assert cache.get("key", base).capped == capped  # a reused drift is capped the same way
 
 
 def test_a_probe_drift_beyond_rounding_says_the_baseline_does_not_repeat_itself():

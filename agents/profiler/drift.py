@@ -10,6 +10,12 @@ baseline than the baseline is to itself; where the baseline is stable, the toler
 parameter whose change the baseline does not reproduce at all, or whose gradient is a true zero
 (`noise_params`), is judged only on whether it changes, not on its direction.
 
+No drift widens a check past its cap (`CEILINGS`, `FLOORS`: the reasoning is beside each): a
+drift that large is no rounding, or the measurement was forged (a candidate that copied its own
+evidence over the reference's lowered the change-cosine floor to 1e-6), and ten times it would
+pass a candidate that computes something else. A recipe's own wider tolerance stands. When a cap
+binds, `GateDrift.capped` says which and the verdict's message repeats it.
+
 The drift is the baseline's alone (the candidate plays no part in it), so a gate whose baseline is
 the same program as an earlier gate's, file for file and setting for setting, reuses that gate's
 measurement instead of running the reference child again (`DriftCache`, kept for the process: a
@@ -31,6 +37,23 @@ NOISE_COSINE = 0.5  # a parameter whose change the baseline itself reproduces wi
 ZERO_GRADIENT = 1e-6  # a gradient whose largest entry is below this share of the model's largest is rounding noise (gpt2: the key
 # biases sit at 1e-10 to 4e-10 of the largest, the smallest real gradient, a query bias, at 2.9e-4)
 NOT_ROUNDING = 0.05  # a probe loss drift above this is no rounding (the bundled examples drift by 0 to 6e-6 over 3 steps)
+
+# Caps: how far the drift may widen each check (the gate's defaults in numerics.NumericsTolerance are 1e-4, 1e-3, 0.9999, 1e-4,
+# 0.99 and 0.1). The probe compares one step's gradients on identical weights and batch, and two steps' losses: rounding moves
+# them by 1e-7 to 1e-5 relative in the bundled examples, so its caps sit about three orders of magnitude above that and below
+# what a lower precision gives (bf16 rounds each product to 2^-8 = 0.4%).
+LOSS_RTOL_CAP = 0.01  # the probe's losses
+GRAD_RTOL_CAP = 0.01  # a gradient's largest difference, as a share of its largest entry
+GRAD_COSINE_FLOOR = 0.999  # a parameter's first-step gradient against the baseline's (2.6 degrees apart)
+# The timed steps run up to a dozen steps further, over which a chaotic program (batch norm on a small CNN) drifts by percents:
+# resnet_classify's drift was 1.65% on the loss and 0.984 on the worst parameter's change, which ten times widened to 16.5% and
+# a 0.84 floor, and a candidate switching to bf16 passed six rounds. The caps keep three to six times resnet's own drift.
+TIMED_LOSS_RTOL_CAP = NOT_ROUNDING  # 5%: the probe's own line between rounding and a different computation
+TIMED_DELTA_COSINE_FLOOR = 0.9  # a parameter's change over the timed steps: 26 degrees apart at most (resnet's drift: 10)
+TIMED_DELTA_NORM_RTOL_CAP = 0.25  # the size of that change: halved gradients (a forgery the issue saw) differ by 50%
+CEILINGS = {"loss_rtol": LOSS_RTOL_CAP, "grad_rtol": GRAD_RTOL_CAP, "timed_loss_rtol": TIMED_LOSS_RTOL_CAP,
+            "timed_delta_norm_rtol": TIMED_DELTA_NORM_RTOL_CAP}
+FLOORS = {"grad_cosine_min": GRAD_COSINE_FLOOR, "timed_delta_cosine_min": TIMED_DELTA_COSINE_FLOOR}
 
 
 class TimedDrift(BaseModel):
@@ -56,6 +79,7 @@ class GateDrift(BaseModel):
     margin: float
     tolerance: NumericsTolerance
     reused: bool = False  # measured by an earlier gate on the same baseline (`DriftCache`)
+    capped: list[str] = []  # the checks whose widening a cap bound (`cap_widening`), with what the drift asked for
 
 
 @dataclass
@@ -72,7 +96,8 @@ class DriftCache:
         if found is None:
             return None
         self.entries.move_to_end(key)
-        return found.model_copy(update={"tolerance": widen_for_drift(tolerance, found.probe, found.timed, found.margin), "reused": True})
+        widened, capped = capped_widening(tolerance, found.probe, found.timed, found.margin)
+        return found.model_copy(update={"tolerance": widened, "capped": capped, "reused": True})
 
     def put(self, key: str, drift: GateDrift) -> None:
         self.entries[key] = drift
@@ -134,10 +159,45 @@ def not_repeating(probe: NumericsResult, perturbation: str) -> str | None:
 
 
 def widen_for_drift(base: NumericsTolerance, probe: NumericsResult, timed: TimedDrift, margin: float = MARGIN) -> NumericsTolerance:
-    """`base`, widened to `margin` times the drift of the probe and of the timed steps (never tightened)."""
+    """`base`, widened to `margin` times the drift of the probe and of the timed steps (never tightened),
+    no check past its cap (`cap_widening`)."""
+    return capped_widening(base, probe, timed, margin)[0]
+
+
+def capped_widening(base: NumericsTolerance, probe: NumericsResult, timed: TimedDrift,
+                    margin: float = MARGIN) -> tuple[NumericsTolerance, list[str]]:
+    """`widen_for_drift`'s tolerances, and which caps bound them."""
     widened = widen_tolerance(base, [probe], margin)
-    return widened.model_copy(update={
+    widened = widened.model_copy(update={
         "timed_loss_rtol": max(widened.timed_loss_rtol, margin * timed.loss_max_rel_diff),
         "timed_delta_cosine_min": max(min(widened.timed_delta_cosine_min, 1.0 - margin * (1.0 - timed.delta_cosine_min)), 1e-6),
         "timed_delta_norm_rtol": max(widened.timed_delta_norm_rtol, margin * timed.delta_norm_max_rel_diff),
     })
+    return cap_widening(base, widened)
+
+
+def cap_widening(base: NumericsTolerance, widened: NumericsTolerance) -> tuple[NumericsTolerance, list[str]]:
+    """`widened` held to each check's cap (`CEILINGS`, `FLOORS`), where `base` (the gate's or a recipe's
+    tolerance, before any drift) is not already wider; the capped checks, described."""
+    update: dict[str, float] = {}
+    notes: list[str] = []
+    own = {"timed_loss_rtol": max(base.timed_loss_rtol, base.loss_rtol)}  # the probe's loss tolerance carries to the timed steps
+    for name, cap in CEILINGS.items():
+        limit = max(own.get(name, getattr(base, name)), cap)
+        if getattr(widened, name) > limit:
+            notes.append(f"{name} {getattr(widened, name):.3g} capped at {limit:.3g}")
+            update[name] = limit
+    for name, floor in FLOORS.items():
+        limit = min(getattr(base, name), floor)
+        if getattr(widened, name) < limit:
+            notes.append(f"{name} {getattr(widened, name):.3g} capped at {limit:.3g}")
+            update[name] = limit
+    return widened.model_copy(update=update), notes
+
+
+def capped_note(drift: GateDrift | None) -> str:
+    """What the verdict's message says when a cap bound the drift's widening ('' when none did)."""
+    if drift is None or not drift.capped:
+        return ""
+    return (f"; the baseline's own drift ({drift.perturbation}) asked for wider tolerances than the caps allow, so the caps "
+            f"were used: {', '.join(drift.capped)}")
