@@ -57,9 +57,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from trainbridge.agents.profiler import conduct, quiet
+from trainbridge.agents.profiler import conduct, quiet, tamper
 from trainbridge.agents.profiler.drift import MARGIN as DRIFT_MARGIN
-from trainbridge.agents.profiler.drift import (DriftCache, GateDrift, not_repeating, timed_drift, widen_for_drift,
+from trainbridge.agents.profiler.drift import (DriftCache, GateDrift, capped_note, capped_widening, not_repeating, timed_drift,
                                                zero_gradient_params)
 from trainbridge.agents.profiler.integrity import Finding, check_config, check_probes, check_timed_deltas, check_timed_losses
 from trainbridge.agents.profiler.numerics import NumericsResult, NumericsTolerance, compare_numerics, load_grads
@@ -158,10 +158,10 @@ def run_side(workload: Workload, inputs: RoundInputs, *, backend: str, extra_env
              work_dir: Path | None, label: str) -> SideRun:
     """One gate child for one side of a round (a fresh scratch folder, gone before the other side runs)."""
     with scratch_dir(f"trainbridge-gate-{label}-", work_dir) as tmp:
-        before = conduct.snapshot_tree(workload.root)
+        before = tamper.digest_tree(workload.root)
         run = run_workload(workload.with_overrides(seed=inputs.seed), backend=backend, mode="gate", plan=_plan(inputs, tmp),
                            extra_env=extra_env, work_dir=work_dir)
-        return _side(run, tmp, conduct.changed_files(before, conduct.snapshot_tree(workload.root)))
+        return _side(run, tmp, tamper.changed(before, tamper.digest_tree(workload.root)))
 
 
 def run_pair(workloads: tuple[Workload, Workload], inputs: RoundInputs, *, backend: str, extra_env: dict[str, str] | None,
@@ -170,10 +170,10 @@ def run_pair(workloads: tuple[Workload, Workload], inputs: RoundInputs, *, backe
     (`workloads[0]` leads: sandbox/child/step_driver.py, `drive_pair`); escaped processes count against
     `workloads[orphans_to]`."""
     with scratch_dir("trainbridge-gate-a-", work_dir) as tmp_a, scratch_dir("trainbridge-gate-b-", work_dir) as tmp_b:
-        before = [conduct.snapshot_tree(w.root) for w in workloads]
+        before = [tamper.digest_tree(w.root) for w in workloads]
         runs = run_workload_pair(tuple(w.with_overrides(seed=inputs.seed) for w in workloads), (_plan(inputs, tmp_a), _plan(inputs, tmp_b)),
                                  backend=backend, extra_env=extra_env, orphans_to=orphans_to, work_dir=work_dir)
-        sides = [_side(run, tmp, conduct.changed_files(b, conduct.snapshot_tree(w.root)))
+        sides = [_side(run, tmp, tamper.changed(b, tamper.digest_tree(w.root)))
                  for run, tmp, b, w in zip(runs, (tmp_a, tmp_b), before, workloads)]
         return sides[0], sides[1]
 
@@ -236,6 +236,8 @@ def run_gate(
     pairing: Pairing | None = None,
     spawn: SpawnKind | None = None,
     determinism=None,
+    watched: tuple[Path, ...] = (),
+    harness_before: dict | None = None,
 ) -> Verdict:
     """Judge `candidate` against `baseline` (see the module doc). `rng` only for reproducible tests:
     by default seeds and batch indices come from the operating system's entropy. `spawn`: how the
@@ -243,19 +245,47 @@ def run_gate(
     harness once, sandbox/child/fork_server.py; "exec": a new interpreter each; default
     `fork_server.default_spawn`, TRAINBRIDGE_GATE_SPAWN overrides); the verdict records it. `determinism`: the
     run's sandbox/script_determinism.DeterminismReport; when the program is not repeatable, the numerics are the
-    checks two runs of it still share (agents/profiler/nondeterministic.py) and the verdict says so."""
+    checks two runs of it still share (agents/profiler/nondeterministic.py) and the verdict says so. The installed
+    tool, its environment's start-up files and the files in `watched` (the run's state) are hashed before
+    and after (`harness_before`: the caller's digest, taken earlier: agents/profiler/tamper.py); any change
+    is `tampered_harness`, whatever the gate decided, and so it is when the baseline failed meanwhile."""
     try:
         kind = spawn or fork_server.default_spawn(backend)
     except ValueError as exc:
         raise GateError(str(exc)) from exc
+    started = time.monotonic()
+    before = harness_before if harness_before is not None else tamper.harness_digest(watched)
+    hashing_s = time.monotonic() - started
     with fork_server.serving(kind, work_dir=work_dir, keep_warm=True) as pool:
         fallbacks_before = len(pool.fallbacks) if pool is not None else 0
-        verdict = _run_gate(baseline, candidate, backend=backend, rounds=rounds, max_rounds=max_rounds, steps_per_round=steps_per_round,
-                            min_gain=min_gain, tolerance=tolerance, emulated_speed=emulated_speed, confidence=confidence,
-                            numerics_steps=numerics_steps, batch_index_range=batch_index_range, rng=rng, extra_env=extra_env,
-                            on_progress=on_progress, work_dir=work_dir, pairing=pairing,
-                            determinism=determinism)
-        return verdict.model_copy(update={"spawn": pool.describe(since=fallbacks_before) if pool is not None else "exec"})
+        try:
+            verdict = _run_gate(baseline, candidate, backend=backend, rounds=rounds, max_rounds=max_rounds,
+                                steps_per_round=steps_per_round, min_gain=min_gain, tolerance=tolerance, emulated_speed=emulated_speed,
+                                confidence=confidence, numerics_steps=numerics_steps, batch_index_range=batch_index_range, rng=rng,
+                                extra_env=extra_env, on_progress=on_progress, work_dir=work_dir, pairing=pairing,
+                                determinism=determinism)
+        except GateError as exc:
+            found = tamper.harness_findings(before, tamper.harness_digest(watched))
+            if not found:
+                raise
+            verdict = Verdict(accepted=False, reason=VerdictReason.tampered_harness, phase="numerics", backend=backend,
+                              message=f"{found[0].message} (and the gate could not finish: {exc})", findings=found,
+                              wall_s=time.monotonic() - started)
+        hashed = time.monotonic()
+        verdict = harness_checked(verdict, tamper.harness_findings(before, tamper.harness_digest(watched)))
+        seconds = {**verdict.phase_seconds}
+        seconds["integrity"] = round(seconds.get("integrity", 0.0) + hashing_s + time.monotonic() - hashed, 3)
+        return verdict.model_copy(update={"spawn": pool.describe(since=fallbacks_before) if pool is not None else "exec",
+                                          "phase_seconds": seconds})
+
+
+def harness_checked(verdict: Verdict, found: list[Finding]) -> Verdict:
+    """`verdict`, or `tampered_harness` when the harness changed over the gate (`found`) whatever it decided."""
+    if not found:
+        return verdict
+    return verdict.model_copy(update={"accepted": False, "reason": VerdictReason.tampered_harness, "findings": [*found, *verdict.findings],
+                                      "message": f"gate-gaming signs: {found[0].message} (the gate's own decision: "
+                                                 f"{verdict.reason.value}: {verdict.message})"})
 
 
 def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: int, max_rounds: int | None,
@@ -298,7 +328,10 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
         seconds = {"numerics": round(numerics_end - started, 3)}
         if "numerics_end" in marks:
             seconds["timing"] = round(now - numerics_end, 3)
+        if "integrity" in marks:
+            seconds["integrity"] = round(marks["integrity"], 3)
         timing = {"baseline_rounds": base_rounds, "candidate_rounds": cand_rounds, "round_order": orders} if base_rounds else {}
+        message += capped_note(state.get("drift"))
         return Verdict(accepted=reason == VerdictReason.accepted, reason=reason, message=message, phase=phase, backend=backend,
                        wall_s=now - started, phase_seconds=seconds, numerics_seed=round_inputs[0].seed,
                        timing_seed=round_inputs[1].seed if len(round_inputs) > 1 else None,
@@ -309,6 +342,13 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
         return verdict(VerdictReason.tampered_inputs, tampered[0].message, "config", findings=tampered)
     candidate = Workload(root=candidate.root, config=baseline.config)
     workloads = {"baseline": baseline, "candidate": candidate}
+    apart = () if candidate.root.resolve() == baseline.root.resolve() else (candidate.root,)  # a candidate inside the baseline's folder
+
+    def baseline_tree() -> dict:
+        hashing = time.monotonic()
+        tree = tamper.digest_tree(baseline.root, exclude=apart)
+        marks["integrity"] = marks.get("integrity", 0.0) + time.monotonic() - hashing
+        return tree
 
     seq = SequentialGate(looks(rounds, max_rounds), min_gain=min_gain, confidence=confidence)
     base_env = {**fork_server.prewarm_env((baseline.root, candidate.root)), **(extra_env or {})}
@@ -323,6 +363,7 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
         order = ("baseline", "candidate") if index % 2 == 0 else ("candidate", "baseline")
         where = "the numerics check" if index == 0 else f"timing round {index}"
         phase = "numerics" if index == 0 else "timing"
+        baseline_before = baseline_tree()
         if pairing == "paired":
             pair = run_pair((workloads[order[0]], workloads[order[1]]), inputs, backend=backend, extra_env=env_now(),
                             work_dir=work_dir, orphans_to=order.index("candidate"))
@@ -335,6 +376,10 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
                     break
         if index == 0:
             progress("numerics", 2, 2)
+        if "candidate" in sides:  # the baseline's worktree, bytecode caches included, over the round (agents/profiler/tamper.py)
+            moved = tamper.baseline_findings(baseline.root, baseline_before, baseline_tree(), sides["candidate"].written or [], where)
+            if moved:
+                return verdict(VerdictReason.tampered_harness, moved[0].message, phase, findings=moved)
         failed = _failed_side(sides, where)
         if failed is not None:
             reason, message, findings = failed
@@ -433,8 +478,8 @@ def measure_drift(baseline: Workload, base: SideRun, inputs: RoundInputs, tolera
         raise GateError(unrepeatable)
     timed = timed_drift([*base.run.losses, *base.run.cooldown_losses], [*ref.run.losses, *ref.run.cooldown_losses],
                         base.deltas or {}, ref.deltas or {}, zero_gradient_params(base.grads))
-    return GateDrift(perturbation=perturbation, probe=probe, timed=timed, margin=DRIFT_MARGIN,
-                     tolerance=widen_for_drift(tolerance, probe, timed, DRIFT_MARGIN))
+    widened, capped = capped_widening(tolerance, probe, timed, DRIFT_MARGIN)
+    return GateDrift(perturbation=perturbation, probe=probe, timed=timed, margin=DRIFT_MARGIN, tolerance=widened, capped=capped)
 
 
 def _failed_side(sides: dict[str, SideRun], where: str) -> tuple[VerdictReason, str, list[Finding]] | None:

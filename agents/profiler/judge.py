@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trainbridge.agents.profiler import tamper
 from trainbridge.agents.profiler.gate import drift_threads, gate_steps, run_gate
 from trainbridge.agents.profiler.numerics import NumericsTolerance
 from trainbridge.agents.profiler.region_lab import lab_enabled, lab_env, region_verdict, time_region
@@ -56,13 +57,14 @@ def ready_servers(baseline_root: Path, *, target: str, launch: str | None = None
 
 def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, recipe_numerics=None, rounds: int,
                     max_rounds: int | None, min_gain: float, launch: str | None = None, determinism: dict | None = None,
-                    sites: list | None = None, baseline_step_s: float | None = None) -> Verdict:
+                    sites: list | None = None, baseline_step_s: float | None = None, watched: tuple[Path, ...] = ()) -> Verdict:
     """The gate's verdict on the candidate worktree against the baseline worktree (`launch`: the
     run's script-mode launch line, when it gave one on the command line; `determinism`: the run's
     repeatability report of the unmodified program, as the prepare node stored it; `sites`: the
     candidate's rewritten regions: when speed is measurable, the region lab times them first and a
     clearly slower region skips the gate, agents/profiler/region_lab.py; `baseline_step_s`: the run's
-    baseline step time, from which the gate sizes its children's measured steps, `gate.gate_steps`)."""
+    baseline step time, from which the gate sizes its children's measured steps, `gate.gate_steps`; `watched`: the
+    run's state files, hashed with the installed tool before the region lab and after the gate: agents/profiler/tamper.py)."""
     from trainbridge.sandbox.script.determinism import DeterminismReport
 
     tolerance = tolerance_for(recipe_numerics) if recipe_numerics is not None else None
@@ -73,6 +75,7 @@ def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, r
 
     baseline, candidate = workload(baseline_root), workload(candidate_root)
     region = None
+    harness_before = tamper.harness_digest(watched)  # the region lab runs the candidate's code too
     if sites and speed_measurable(target) and lab_enabled() and baseline.config.mode == "entry":
         region = time_region(baseline, candidate, list(sites), backend=target)
         early = region_verdict(region, backend=target)
@@ -80,7 +83,8 @@ def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, r
             return early
     verdict = run_gate(baseline, candidate, backend=target, rounds=rounds, max_rounds=max_rounds, min_gain=min_gain,
                        steps_per_round=gate_steps(baseline.config.steps, baseline_step_s), tolerance=tolerance,
-                       emulated_speed=not speed_measurable(target), determinism=report)
+                       emulated_speed=not speed_measurable(target), determinism=report, watched=watched,
+                       harness_before=harness_before)
     if region is None:
         return verdict
     seconds = {"region": round(region.wall_s, 3), **verdict.phase_seconds}

@@ -24,7 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainbridge.agents.profiler.conduct import changed_files, snapshot_tree
+from trainbridge.agents.profiler.tamper import changed, digest_tree
 from trainbridge.agents.profiler.integrity import Finding, FindingKind
 from trainbridge.agents.profiler.verdict import Verdict, VerdictReason
 from trainbridge.records import SourceSpan
@@ -121,7 +121,7 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
     memory_limit_mb = config.memory_limit_mb or default_memory_limit_mb()
     threads = threads or config.threads
     env = lab_env(config, target.name, threads)
-    before = {side: snapshot_tree(w.root) for side, w in (("baseline", baseline), ("candidate", candidate))}
+    before = {side: digest_tree(w.root) for side, w in (("baseline", baseline), ("candidate", candidate))}
     with scratch_dir("trainbridge-run-region-") as tmp_dir:
         request = {"backend": target.name, "threads": threads, "seed": config.seed, "budget_s": budget_s,
                    "max_reps": max_reps, "min_reps": min_reps, "result_path": str(tmp_dir / "result.json"),
@@ -135,7 +135,7 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
         spawned = {"spawn": outcome.spawn}
         result_path = tmp_dir / "result.json"
         written = [f"{side}/{path}" for side, w in (("baseline", baseline), ("candidate", candidate))
-                   for path in changed_files(before[side], snapshot_tree(w.root))]
+                   for path in changed(before[side], digest_tree(w.root))]
         if written:
             timing = unisolated(f"the region child wrote into the worktrees under test ({', '.join(written[:5])})")
             return timing.model_copy(update={"written": written})
