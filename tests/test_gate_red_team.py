@@ -1,9 +1,12 @@
 """The red team: planted candidates that try to fool the gate, each rejected with the reason that names
 what it did (or, where the trick finds nothing to exploit, simply not accepted).
 
-Each cheat is a file in tests/fixtures/redteam/cheats/: a header (`# class:`, `# expect:`) and the
-lines appended to the victim's step.py (tests/fixtures/redteam/base/). Add a file when a new way in
-is found; the test picks it up.
+Each cheat is a file in tests/fixtures/redteam/cheats/: a header (`# class:`, `# expect:`, and optionally
+`# names:`, what the first finding's message must name) and the lines appended to the victim's step.py
+(tests/fixtures/redteam/base/). `{MARKER}` becomes a path outside both worktrees, `{PACKAGE_FILE}` the name
+of a file that does not exist in the installed package's folder (with the editable install, this
+checkout): the test removes that file afterwards, whatever the verdict. Add a file when a new way in is
+found; the test picks it up.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from trainbridge.agents.profiler.gate import run_gate
+from trainbridge.agents.profiler.tamper import package_root
 from trainbridge.agents.profiler.verdict import VerdictReason
 from trainbridge.sandbox.workload import load_workload
 
@@ -34,12 +38,12 @@ def _header(path: Path, key: str) -> str:
     return match.group(1).strip()
 
 
-def plant(tmp_path: Path, cheat: Path) -> tuple[Path, Path]:
+def plant(tmp_path: Path, cheat: Path, package_file: str = "") -> tuple[Path, Path]:
     baseline, candidate = tmp_path / "baseline", tmp_path / "candidate"
     shutil.copytree(REDTEAM / "base", baseline)
     shutil.copytree(REDTEAM / "base", candidate)
     marker = tmp_path / f"marker-{uuid.uuid4().hex}"
-    code = cheat.read_text().replace("{MARKER}", str(marker))
+    code = cheat.read_text().replace("{MARKER}", str(marker)).replace("{PACKAGE_FILE}", package_file)
     step = candidate / "step.py"
     step.write_text(step.read_text() + "\n\n# --- planted ---\n" + code, encoding="utf-8")
     return baseline, candidate
@@ -50,14 +54,21 @@ def test_planted_cheat_is_rejected_with_its_reason(tmp_path, cheat):
     expect = _header(cheat, "expect")
     if cheat.stem == "raised_priority" and os.geteuid() != 0:
         pytest.skip("raising a priority needs root here; the check itself is tested in test_gate_conduct.py")
-    baseline, candidate = plant(tmp_path, cheat)
-    verdict = run_gate(load_workload(baseline), load_workload(candidate), rounds=2, max_rounds=2, rng=random.Random(7))
-    assert not verdict.accepted, verdict.message
-    if expect == "not_accepted":
-        assert verdict.reason in NOT_ACCEPTED, verdict.message
-    else:
-        assert verdict.reason == VerdictReason(expect), f"{cheat.stem}: got {verdict.reason}: {verdict.message}"
-        assert verdict.findings and verdict.findings[0].kind.value == expect, verdict.findings
+    planted = package_root() / f"redteam_planted_{uuid.uuid4().hex}.py"  # only a cheat that writes into the package creates it
+    baseline, candidate = plant(tmp_path, cheat, planted.name)
+    try:
+        verdict = run_gate(load_workload(baseline), load_workload(candidate), rounds=2, max_rounds=2, rng=random.Random(7))
+        assert not verdict.accepted, verdict.message
+        if expect == "not_accepted":
+            assert verdict.reason in NOT_ACCEPTED, verdict.message
+        else:
+            assert verdict.reason == VerdictReason(expect), f"{cheat.stem}: got {verdict.reason}: {verdict.message}"
+            assert verdict.findings and verdict.findings[0].kind.value == expect, verdict.findings
+        names = re.search(r"^# names: (.+)$", cheat.read_text(), re.MULTILINE)
+        if names:
+            assert names.group(1).strip().replace("{PACKAGE_FILE}", planted.name) in verdict.findings[0].message, verdict.findings
+    finally:
+        planted.unlink(missing_ok=True)
 
 
 def test_every_cheat_names_its_class_and_expectation():
@@ -66,7 +77,8 @@ def test_every_cheat_names_its_class_and_expectation():
     for needed in ("clock rebinding (time)", "clock rebinding (the harness module)", "clock rebinding (torch functions around the timer)",
                    "mode sniffing (argv)", "mode sniffing (files)", "work skipped only when timed (call-stack sniffing)",
                    "work cached across steps", "thread-count games", "process-priority games", "writing to the harness's output",
-                   "reading the gate's seed", "slowing the other side (paired rounds)"):
+                   "reading the gate's seed", "slowing the other side (paired rounds)",
+                   "writing into the other side's files (bytecode cache)", "writing into the installed tool"):
         assert needed in classes, needed
     for cheat in CHEATS:
         expect = _header(cheat, "expect")
