@@ -246,7 +246,8 @@ def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
                               recipe_numerics=recipe.numerics if recipe is not None else None, rounds=ctx.config.gate_rounds,
                               max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain, launch=ctx.config.launch,
                               determinism=state.get("determinism"), sites=candidate.sites,
-                              baseline_step_s=state.get("baseline_step_s"))
+                              baseline_step_s=state.get("baseline_step_s"),
+                              watched=(ctx.paths.config,))  # the run's settings: hashed over the gate (agents/profiler/tamper.py)
     return {"node": "profiler", "verdict": verdict.model_dump(mode="json"), "candidates_tried": (state.get("candidates_tried") or 0) + 1,
             PARTS_KEY: dict(verdict.phase_seconds)}
 
