@@ -113,6 +113,43 @@ def all_stats() -> list[ProcStat]:
     return stats
 
 
+SANDBOX_TOOL = "bwrap"  # bubblewrap's processes stand between a confined child and the gate (sandbox/confinement.py)
+
+
+def comm(pid: int) -> str | None:
+    try:
+        return (_PROC / str(pid) / "comm").read_text().strip()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+
+
+def inner_pid(pid: int) -> int:
+    """The process a confined child really is: below bubblewrap's own processes (the outer one, which the gate
+    started, and the namespace's init), the first that is not bubblewrap's; `pid` itself when it is not
+    bubblewrap's, or when nothing is below it yet."""
+    while comm(pid) == SANDBOX_TOOL:
+        below = [s.pid for s in all_stats() if s.ppid == pid and s.state != "Z"]
+        if len(below) != 1:
+            return pid
+        pid = below[0]
+    return pid
+
+
+def host_pids(root_pid: int, inner: list[int]) -> list[int]:
+    """The host's pids of processes below `root_pid` that a PID namespace knows as `inner` (its own pids: a
+    confined child reports those), in the same order; a pid not found is kept as given."""
+    by_inner = {}
+    for stat in descendants(root_pid):
+        try:
+            line = next(x for x in (_PROC / str(stat.pid) / "status").read_text().splitlines() if x.startswith("NSpid:"))
+        except (OSError, StopIteration):
+            continue
+        levels = line.split()[1:]
+        if len(levels) > 1:
+            by_inner[int(levels[-1])] = stat.pid
+    return [by_inner.get(pid, pid) for pid in inner]
+
+
 def descendants(root_pid: int, *, reaper_pid: int | None = None, since_ticks: int | None = None,
                 exclude: set[int] | frozenset[int] = frozenset()) -> list[ProcStat]:
     """Processes descended from `root_pid` (not itself): by parent links, by its session and process

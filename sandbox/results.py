@@ -79,6 +79,8 @@ class RunResult(Record):
     peak_memory_bytes: int | None = None
     versions: dict[str, str] = Field(default_factory=dict)
     network_isolated: bool = False
+    confined: bool = Field(default=False, description="the child ran under bubblewrap (sandbox/confinement.py): own PID, "
+                           "mount and user namespaces, writable only its scratch and compile cache")
     isolation_notes: list[str] = Field(default_factory=list)
     memory_limit_mb: int | None = None
     wall_s: float = 0.0

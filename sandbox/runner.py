@@ -29,6 +29,7 @@ from trainbridge.sandbox.child import fork_server
 from trainbridge.sandbox.script import run as script_run
 from trainbridge.sandbox.backends import Backend, npu_selection
 from trainbridge.sandbox.command_mode import parse_command_output
+from trainbridge.sandbox.confinement import Sandbox, child_sandbox, side_env
 from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory, network_isolation, scrubbed_env
 from trainbridge.sandbox.npu_emulation import selection_env
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
@@ -58,14 +59,13 @@ def run_workload(
     config = workload.config
     target = Backend(backend)
     memory_limit_mb = config.memory_limit_mb or default_memory_limit_mb()
-    isolation = network_isolation()
     env = _child_env(config, target, extra_env)
     total = config.warmup_steps + config.steps
     with scratch_dir("trainbridge-run-", work_dir) as tmp_dir:
         if config.mode == "script":
-            return _run_script(workload, target, mode, plan, env, isolation, memory_limit_mb, tmp_dir, extra_request, on_progress)
+            return _run_script(workload, target, mode, plan, env, memory_limit_mb, tmp_dir, extra_request, on_progress)
         if config.mode == "entry" and mode in CHANNEL_MODES:
-            spec, base = _channel_child(workload, target, mode, plan, extra_request, env, isolation, memory_limit_mb, tmp_dir)
+            spec, base = _channel_child(workload, target, mode, plan, extra_request, env, memory_limit_mb, tmp_dir)
             started = time.monotonic()
             steps_total = len(spec.plan.timed())
             outcome = drive(spec, on_progress=(lambda done: on_progress(min(done, total), total)) if on_progress else None)
@@ -94,12 +94,13 @@ def run_workload(
             argv = shlex.split(config.command or "")
             if argv and argv[0] in ("python", "python3"):
                 argv[0] = sys.executable  # the interpreter TrainBridge runs under, with the same packages
-        base = _base_result(config, target, isolation, memory_limit_mb)
+        box = child_sandbox(tmp_dir, root=workload.root, backend=target.name)
+        base = _base_result(config, target, box, memory_limit_mb)
         started = time.monotonic()
         outcome = _run_child(
-            [*isolation.prefix, *argv],
+            [*box.prefix, *argv],
             cwd=workload.root,
-            env=env,
+            env={**env, **box.env},
             memory_limit_mb=memory_limit_mb,
             timeout_s=config.timeout_s,
             tmp_dir=tmp_dir,
@@ -128,7 +129,6 @@ def run_workload_pair(
     `drive_pair`); `workloads[0]` leads. Never raises for the workloads' faults: when one child's
     fault ends the pair, the other's result is a failure marked `interrupted`."""
     target = Backend(backend)
-    isolation = network_isolation()
     modes = {workload.config.mode for workload in workloads}
     if modes not in ({"entry"}, {"script"}):
         raise ValueError(f"paired gate runs need two entry-mode or two script-mode workloads, got {' and '.join(sorted(modes))}")
@@ -139,16 +139,16 @@ def run_workload_pair(
             memory_limit_mb = config.memory_limit_mb or default_memory_limit_mb()
             env = _child_env(config, target, extra_env)
             if config.mode == "script":
-                child = _script_child(workload, target, "gate", plan, None, env, isolation, memory_limit_mb, tmp_dir)
+                child = _script_child(workload, target, "gate", plan, None, env, memory_limit_mb, tmp_dir)
                 if isinstance(child, RunResult):  # it cannot start: the pair is not run at all
                     partner = workloads[1 if not built else 0].config
-                    other = _base_result(partner, target, isolation, partner.memory_limit_mb or default_memory_limit_mb())
+                    other = _base_result(partner, target, _not_started(), partner.memory_limit_mb or default_memory_limit_mb())
                     other.failure = Failure(kind=FailureKind.crashed, message="the other side of the pair could not be started")
                     other.interrupted = "the other side of the pair could not be started"
                     return (child, other) if not built else (other, child)
                 built.append(child)
             else:
-                built.append((*_channel_child(workload, target, "gate", plan, None, env, isolation, memory_limit_mb, tmp_dir), None))
+                built.append((*_channel_child(workload, target, "gate", plan, None, env, memory_limit_mb, tmp_dir), None))
         started = time.monotonic()
         outcomes = drive_pair(built[0][0], built[1][0], orphans_to=orphans_to)
         wall = time.monotonic() - started
@@ -176,21 +176,25 @@ def _child_env(config, target: Backend, extra_env: dict[str, str] | None) -> dic
 
 
 def _channel_child(workload: Workload, target: Backend, mode: str, plan: StepPlan | None, extra_request: dict[str, Any] | None,
-                   env: dict[str, str], isolation, memory_limit_mb: int, tmp_dir: Path) -> tuple[ChildSpec, RunResult]:
-    """How to start one parent-timed child, and the result record its outcome will fill."""
+                   env: dict[str, str], memory_limit_mb: int, tmp_dir: Path) -> tuple[ChildSpec, RunResult]:
+    """How to start one parent-timed child, and the result record its outcome will fill. Inside a gate the child is
+    forked from a warm server (network isolated as the server is) instead of exec'd under bubblewrap."""
     config = workload.config
     if plan is None and mode == "gate":
         raise ValueError("mode 'gate' needs a StepPlan (its batch indices, probe and parameter deltas)")
     plan = plan or StepPlan.sequential(config.warmup_steps, config.steps)
     request = {"mode": mode, "root": str(workload.root), "entry": config.entry, "pythonpath": config.pythonpath,
                "backend": target.name, "seed": config.seed, "threads": config.threads, **(extra_request or {})}
-    base = _base_result(config, target, isolation, memory_limit_mb)
+    pool = fork_server.active()
+    box = _forked(workload.root) if pool is not None else child_sandbox(tmp_dir, root=workload.root, backend=target.name,
+                                                                        evidence=plan.evidence_dirs())
+    base = _base_result(config, target, box, memory_limit_mb)
     base.warmup_steps = len(plan.warmup)
     # argv is the same for every timed child: what it is asked comes over the channel only
-    spec = ChildSpec(argv=[*isolation.prefix, sys.executable, "-m", "trainbridge.sandbox.harness"], request=request, plan=plan,
-                     cwd=workload.root, env=env, preexec_fn=limit_memory(memory_limit_mb), timeout_s=config.timeout_s,
+    spec = ChildSpec(argv=[*box.prefix, sys.executable, "-m", "trainbridge.sandbox.harness"], request=request, plan=plan,
+                     cwd=workload.root, env={**env, **box.env}, preexec_fn=limit_memory(memory_limit_mb), timeout_s=config.timeout_s,
                      stdout_path=tmp_dir / "stdout.txt", stderr_path=tmp_dir / "stderr.txt",
-                     fork_pool=fork_server.active(), memory_limit_mb=memory_limit_mb)  # inside a gate: forked from a warm server
+                     fork_pool=pool, memory_limit_mb=memory_limit_mb)
     return spec, base
 
 
@@ -200,10 +204,10 @@ def _with_tails(base: RunResult, tmp_dir: Path) -> RunResult:
     return base
 
 
-def _run_script(workload: Workload, target: Backend, mode: str, plan: StepPlan | None, env: dict[str, str], isolation,
+def _run_script(workload: Workload, target: Backend, mode: str, plan: StepPlan | None, env: dict[str, str],
                 memory_limit_mb: int, tmp_dir: Path, extra_request: dict[str, Any] | None, on_progress) -> RunResult:
     """Script mode (sandbox/script/run.py): the user's script under sandbox/script/launcher.py, driven like entry mode."""
-    built = _script_child(workload, target, mode, plan, extra_request, env, isolation, memory_limit_mb, tmp_dir)
+    built = _script_child(workload, target, mode, plan, extra_request, env, memory_limit_mb, tmp_dir)
     if isinstance(built, RunResult):
         return built
     spec, base, setup = built
@@ -216,12 +220,12 @@ def _run_script(workload: Workload, target: Backend, mode: str, plan: StepPlan |
 
 
 def _script_child(workload: Workload, target: Backend, mode: str, plan: StepPlan | None, extra_request: dict[str, Any] | None,
-                  env: dict[str, str], isolation, memory_limit_mb: int,
+                  env: dict[str, str], memory_limit_mb: int,
                   tmp_dir: Path) -> tuple[ChildSpec, RunResult, script_run.ScriptSetup] | RunResult:
     """How to start one script-mode child (its working directory made in `tmp_dir`), or the failed result that
     stops it before it starts (a missing script, a data entry that is nowhere, a multi-process launch)."""
     config = workload.config
-    base = _base_result(config, target, isolation, memory_limit_mb)
+    base = _base_result(config, target, child_sandbox(tmp_dir, root=workload.root, backend=target.name), memory_limit_mb)
     setup = script_run.prepare(workload, backend=target.name, mode=mode, tmp_dir=tmp_dir, extra_request=extra_request)
     if isinstance(setup, Failure):
         base.failure = setup
@@ -234,18 +238,31 @@ def _script_child(workload: Workload, target: Backend, mode: str, plan: StepPlan
         plan, setup.request["capture"] = script_run.capture_plan(config.steps, int(setup.request.get("timed_steps", 0)))
     plan = plan or StepPlan.sequential(config.warmup_steps, config.steps)
     base.warmup_steps = len(plan.warmup)
+    box = child_sandbox(tmp_dir, root=workload.root, backend=target.name, evidence=plan.evidence_dirs())
     ranks = setup.spec.nproc  # torchrun --nproc_per_node N > 1: the rank supervisor starts N launchers (sandbox/child/rank_group.py)
     module = script_run.RANKS_MODULE if ranks > 1 else script_run.LAUNCHER_MODULE
-    spec = ChildSpec(argv=[*isolation.prefix, sys.executable, "-m", module], request=setup.request, plan=plan,
-                     cwd=setup.run_dir.cwd, env=env, preexec_fn=limit_memory(memory_limit_mb), timeout_s=config.timeout_s,
+    spec = ChildSpec(argv=[*box.prefix, sys.executable, "-m", module], request=setup.request, plan=plan,
+                     cwd=setup.run_dir.cwd, env={**env, **box.env}, preexec_fn=limit_memory(memory_limit_mb), timeout_s=config.timeout_s,
                      stdout_path=tmp_dir / "stdout.txt", stderr_path=tmp_dir / "stderr.txt", ranks=max(1, ranks))
     return spec, base, setup
 
 
-def _base_result(config, target: Backend, isolation, memory_limit_mb: int) -> RunResult:
+def _forked(root: Path) -> Sandbox:
+    """A child forked from a warm server: in the server's network namespace, not under bubblewrap
+    (sandbox/confinement.py says why); its HOME, TMPDIR and caches are an exec'd child's."""
+    isolation = network_isolation()
+    return Sandbox(prefix=isolation.prefix, env=side_env(root), network_isolated=isolation.isolated,
+                   notes=["forked from a warm server: not confined by bubblewrap", *isolation.notes])
+
+
+def _not_started() -> Sandbox:
+    return Sandbox(prefix=(), notes=["not started"])
+
+
+def _base_result(config, target: Backend, box: Sandbox, memory_limit_mb: int) -> RunResult:
     return RunResult(mode=config.mode, backend=target.name, device=target.device, seed=config.seed, threads=config.threads,
-                     warmup_steps=config.warmup_steps, network_isolated=isolation.isolated, isolation_notes=list(isolation.notes),
-                     memory_limit_mb=memory_limit_mb)
+                     warmup_steps=config.warmup_steps, network_isolated=box.network_isolated, isolation_notes=list(box.notes),
+                     confined=box.confined, memory_limit_mb=memory_limit_mb)
 
 
 def _driven_result(base: RunResult, outcome: DriveOutcome, timeout_s: float, steps_total: int) -> RunResult:
@@ -288,15 +305,17 @@ class _ChildOutcome:
 
 
 def run_confined(argv: list[str], *, cwd: Path, env: dict[str, str], memory_limit_mb: int, timeout_s: float,
-                 tmp_dir: Path, forked: tuple[str, list[str]] | None = None) -> _ChildOutcome:
+                 tmp_dir: Path, forked: tuple[str, list[str]] | None = None,
+                 exec_env: dict[str, str] | None = None) -> _ChildOutcome:
     """Run one request-file child of the sandbox's own modules (e.g. sandbox/region_bench.py) the way analysis
     modes run: own process group killed as a whole at `timeout_s`, address-space cap, the given (scrubbed)
     environment; stdout/stderr in `tmp_dir`. The outcome has returncode, timed_out, stdout, stderr, and how the
     child started (`spawn`). With `forked` (a `fork_child.PROGRAMS` name and its arguments) inside a fork pool
     (`fork_server.serving`), the child is forked from the pool's server, with the same confinement; where the
-    pool cannot fork it, it is exec'd from `argv`."""
+    pool cannot fork it, it is exec'd from `argv`, with `exec_env` added to `env` (a bubblewrap sandbox's own HOME,
+    TMPDIR and caches: `confinement.child_sandbox`; a forked child's environment is its server's)."""
     return _run_child(argv, cwd=cwd, env=env, memory_limit_mb=memory_limit_mb, timeout_s=timeout_s, tmp_dir=tmp_dir,
-                      on_progress=None, forked=forked)
+                      on_progress=None, forked=forked, exec_env=exec_env)
 
 
 def _fork_confined(forked: tuple[str, list[str]] | None, *, cwd: Path, env: dict[str, str], memory_limit_mb: int,
@@ -315,7 +334,7 @@ def _fork_confined(forked: tuple[str, list[str]] | None, *, cwd: Path, env: dict
 
 
 def _run_child(argv, *, cwd, env, memory_limit_mb, timeout_s, tmp_dir: Path, on_progress,
-               forked: tuple[str, list[str]] | None = None) -> _ChildOutcome:
+               forked: tuple[str, list[str]] | None = None, exec_env: dict[str, str] | None = None) -> _ChildOutcome:
     stdout_path, stderr_path = tmp_dir / "stdout.txt", tmp_dir / "stderr.txt"
     progress_path = tmp_dir / "progress.jsonl"
     with stdout_path.open("wb") as stdout, stderr_path.open("wb") as stderr:
@@ -325,7 +344,7 @@ def _run_child(argv, *, cwd, env, memory_limit_mb, timeout_s, tmp_dir: Path, on_
             child = child or subprocess.Popen(
                 argv,
                 cwd=cwd,
-                env=env,
+                env={**env, **(exec_env or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=stdout,
                 stderr=stderr,

@@ -15,3 +15,12 @@ needs_no_torch_npu = pytest.mark.skipif(
            "(refusals that name 'torch_npu is not installed'); on an Ascend host `trainbridge verify` and the "
            "NPU profile capture run instead of refusing",
 )
+
+
+def env_probe_report(result) -> dict:
+    """What the env_probe workload (tests/fixtures/workloads/env_probe) printed: its environment and interfaces."""
+    import json
+
+    lines = [line for line in result.stdout_tail.splitlines() if line.startswith("TB-ENV-PROBE ")]
+    assert lines, f"the env probe printed nothing: {result.stdout_tail[-500:]} {result.stderr_tail[-500:]}"
+    return json.loads(lines[-1][len("TB-ENV-PROBE "):])

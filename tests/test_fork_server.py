@@ -16,6 +16,9 @@ import pytest
 
 from trainbridge.agents.profiler.gate import GateError, run_gate
 from trainbridge.sandbox.child import fork_server
+from trainbridge.sandbox import confinement
+from trainbridge.sandbox.confinement import SIDE_ENV
+from trainbridge.tests.host import env_probe_report
 from trainbridge.sandbox.runner import run_workload, run_workload_pair
 from trainbridge.sandbox.child.step_driver import StepPlan
 from trainbridge.sandbox.workload import load_workload
@@ -53,7 +56,6 @@ def _parts(seed, step_hook=None):
 OBSERVER = TINY + '''
 import os, sys, resource, json
 
-OUT = __OUT__
 TOKEN = __TOKEN__
 
 
@@ -86,8 +88,7 @@ def observe(seed):
 
 
 def build(device, seed):
-    with open(OUT, "w") as handle:
-        json.dump(observe(seed), handle)
+    print("TB-OBSERVED " + json.dumps(observe(seed)), flush=True)  # its stdout: an exec'd child writes nowhere else
 
     def check():
         leaks = observe(seed)["leaks"]
@@ -123,8 +124,15 @@ def build(device, seed):
 '''
 
 
-def _fill(template: str, *, token: str, out: Path | None = None) -> str:
-    return template.replace("__TOKEN__", repr(token)).replace("__OUT__", repr(str(out)))
+def _fill(template: str, *, token: str) -> str:
+    return template.replace("__TOKEN__", repr(token))
+
+
+def observed(result) -> dict:
+    """What the OBSERVER workload printed at its start (the last such line of its stdout)."""
+    lines = [line for line in result.stdout_tail.splitlines() if line.startswith("TB-OBSERVED ")]
+    assert lines, f"the observer printed nothing: {result.stdout_tail[-500:]}"
+    return json.loads(lines[-1][len("TB-OBSERVED "):])
 
 
 def _workload(root: Path, source: str) -> Path:
@@ -144,22 +152,30 @@ def token():
 def test_a_forked_child_sees_what_an_exec_child_sees(tmp_path, token):
     seen = {}
     for kind in ("exec", "fork-server"):
-        out = tmp_path / f"{kind}.json"
-        root = _workload(tmp_path / kind / "repo", _fill(OBSERVER, out=out, token=token))
+        root = _workload(tmp_path / kind / "repo", _fill(OBSERVER, token=token))
         with fork_server.serving(kind) as pool:
             result = run_workload(load_workload(root), mode="measure")
             assert result.failure is None, result.failure
             assert len(result.step_times_s) == 2 and result.timing_source == "parent"
             if pool is not None:
                 assert pool.forked == 1 and not pool.fallbacks  # it really was forked
-        seen[kind] = json.loads(out.read_text())
+        seen[kind] = observed(result)
         seen[kind]["root"] = str(root)
     exec_, forked = seen["exec"], seen["fork-server"]
-    assert forked["env"] == exec_["env"]  # the workload's scrubbed environment, as a whole
+    # the workload's scrubbed environment, as a whole; each child's own HOME, TMPDIR and compile caches (its scratch's)
+    # (and PWD, which bubblewrap sets for an exec'd child as a shell would)
+    own = (*SIDE_ENV, "PWD")
+    assert set(forked["env"]) - {"PWD"} == set(exec_["env"]) - {"PWD"} >= set(SIDE_ENV)
+    assert {k: v for k, v in forked["env"].items() if k not in own} == {k: v for k, v in exec_["env"].items() if k not in own}
     assert forked["env"]["OMP_NUM_THREADS"] == "2" and forked["threads"] == exec_["threads"] == 2
     for record in (exec_, forked):
         assert record["cwd"] == record["root"] and record["sys_path"][0] == record["root"]
-        assert record["pgid"] == record["pid"] == record["sid"]  # its own session and process group
+        if record is exec_ and confinement.bubblewrap().usable:
+            # its own PID namespace: its session and group are led by bubblewrap's outer process (started in a session
+            # of its own, killed as a group), outside the namespace, which it sees as 0
+            assert record["pgid"] == record["sid"] == 0 and record["pid"] < 10
+        else:
+            assert record["pgid"] == record["pid"] == record["sid"]  # its own session and process group
         assert record["stdin"] == "/dev/null"
         assert record["leaks"] == []
     # the rest of sys.path (the interpreter's, the venv's) is the same; the server's folder is nowhere
@@ -180,42 +196,38 @@ def test_a_forked_child_is_in_the_sandboxs_network_namespace_as_an_exec_child_is
     isolation = network_isolation()
     seen = {}
     for kind in ("exec", "fork-server"):
-        probe = tmp_path / f"{kind}.json"
         with fork_server.serving(kind) as pool:
-            result = run_workload(load_workload(Path(__file__).parent / "fixtures" / "workloads" / "env_probe"),
-                                  extra_env={"TB_TEST_PROBE_OUT": str(probe)})
+            result = run_workload(load_workload(Path(__file__).parent / "fixtures" / "workloads" / "env_probe"))
             assert result.ok, result.failure
             if pool is not None:
                 assert pool.forked == 1 and not pool.fallbacks and pool.prefix == isolation.prefix
         assert result.network_isolated == isolation.isolated
-        seen[kind] = json.loads(probe.read_text())["interfaces"]
+        seen[kind] = env_probe_report(result)["interfaces"]
     expected = ["lo"] if isolation.isolated else sorted(name for _, name in socket.if_nameindex())
     assert seen == {"exec": expected, "fork-server": expected}
 
 
 def test_a_leak_planted_by_one_arm_never_reaches_the_other(tmp_path, token):
-    out = tmp_path / "observed.json"
-    observer = load_workload(_workload(tmp_path / "observer", _fill(OBSERVER, out=out, token=token)))
+    observer = load_workload(_workload(tmp_path / "observer", _fill(OBSERVER, token=token)))
     leaker = load_workload(_workload(tmp_path / "leaker", _fill(LEAKER, token=token)))
     plans = (StepPlan.sequential(1, 2), StepPlan.sequential(1, 2))
     with fork_server.serving("fork-server") as pool:
         # both arms alive at once (the gate's paired round), the leaker first; then one after the other
-        led, observed = run_workload_pair((leaker, observer), plans)
-        assert led.failure is None and observed.failure is None, observed.failure
+        led, observed_pair = run_workload_pair((leaker, observer), plans)
+        assert led.failure is None and observed_pair.failure is None, observed_pair.failure
         assert run_workload(leaker, mode="measure").failure is None
         after = run_workload(observer, mode="measure")
         assert after.failure is None, after.failure
         assert pool.forked == 4 and not pool.fallbacks
         private_shm = all(server.private_shm for server in pool.servers.values())
-    assert json.loads(out.read_text())["leaks"] == []
+    assert observed(observed_pair)["leaks"] == observed(after)["leaks"] == []
     if private_shm:  # each child had its own /dev/shm: the leaker's file never reached the host's either
         assert not Path(f"/dev/shm/trainbridge-leak-{token}").exists()
 
 
 def test_the_observer_does_see_a_leak_in_its_own_process(tmp_path, token):
     """The control: the same checks fire when the leak is in the observer's own process."""
-    out = tmp_path / "observed.json"
-    root = _workload(tmp_path / "both", _fill(OBSERVER, out=out, token=token))
+    root = _workload(tmp_path / "both", _fill(OBSERVER, token=token))
     (root / "leaker.py").write_text(textwrap.dedent(_fill(LEAKER, token=token)), encoding="utf-8")
     step = root / "step.py"
     step.write_text(step.read_text() + "\n\n_build = build\n\ndef build(device, seed):\n    import leaker\n    leaker.plant()\n"

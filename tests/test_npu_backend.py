@@ -181,8 +181,7 @@ def build(device, seed):
               "emulated": emulated, "task_queue": os.environ.get("TASK_QUEUE_ENABLE"),
               "affinity": os.environ.get("CPU_AFFINITY_CONF"), "ascend_home": os.environ.get("ASCEND_TOOLKIT_HOME"),
               "tensor_device": str(made.device), "pythonpath": os.environ.get("PYTHONPATH", "")}
-    with open(os.environ["TB_NPU_PROBE_OUT"], "w") as handle:
-        json.dump(record, handle)
+    print("TB-NPU-PROBE " + json.dumps(record), flush=True)  # a confined child writes nowhere the test reads
     model = torch.nn.Linear(4, 1).to(dev)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.randn(8, 4, generator=torch.Generator().manual_seed(seed)).to(dev)
@@ -201,6 +200,11 @@ def build(device, seed):
 '''
 
 
+def _probe_report(result) -> dict:
+    line = next(x for x in reversed(result.stdout_tail.splitlines()) if x.startswith("TB-NPU-PROBE "))
+    return json.loads(line[len("TB-NPU-PROBE "):])
+
+
 def _probe_workload(root: Path):
     root.mkdir(parents=True, exist_ok=True)
     (root / "step.py").write_text(_PROBE_WORKLOAD)
@@ -209,10 +213,9 @@ def _probe_workload(root: Path):
 
 
 def test_npu_run_without_torch_npu_gets_the_emulation(tmp_path, fresh_probe_cache):
-    out = tmp_path / "seen.json"
-    result = run_workload(_probe_workload(tmp_path / "wl"), backend="npu", extra_env={"TB_NPU_PROBE_OUT": str(out)})
+    result = run_workload(_probe_workload(tmp_path / "wl"), backend="npu")
     assert result.ok, result.failure
-    seen = json.loads(out.read_text())
+    seen = _probe_report(result)
     assert seen["emulated"] and Path(seen["torch_npu_file"]).is_relative_to(emulation_path())
     assert seen["npu_imported_first"], "the harness imports torch_npu before the entry's module"
     assert seen["device"] == "npu" and seen["tensor_device"] == "npu:0"  # the stand-in's real npu device type
@@ -241,10 +244,9 @@ def test_npu_run_prefers_a_usable_real_torch_npu(tmp_path, monkeypatch, fresh_pr
     monkeypatch.setenv("ASCEND_TOOLKIT_HOME", "/opt/fake-cann")
     assert backends.npu_selection().mode == "real"
     assert availability("npu").available
-    out = tmp_path / "seen.json"
-    result = run_workload(_probe_workload(tmp_path / "wl"), backend="npu", extra_env={"TB_NPU_PROBE_OUT": str(out)})
+    result = run_workload(_probe_workload(tmp_path / "wl"), backend="npu")
     assert result.ok, result.failure
-    seen = json.loads(out.read_text())
+    seen = _probe_report(result)
     assert not seen["emulated"] and Path(seen["torch_npu_file"]).is_relative_to(root)
     assert str(emulation_path()) not in seen["pythonpath"].split(":")
     assert seen["ascend_home"] == "/opt/fake-cann" and seen["task_queue"] == "2"

@@ -21,6 +21,7 @@ from trainbridge.agents.profiler.region_lab import (RegionTiming, classify, clea
                                                     time_region)
 from trainbridge.agents.profiler.verdict import Verdict, VerdictReason
 from trainbridge.records import SourceSpan
+from trainbridge.sandbox import confinement
 from trainbridge.sandbox.isolation import network_isolation
 from trainbridge.sandbox.region_bench import median_interval
 from trainbridge.sandbox.region_capture import Unisolated, qualname_for
@@ -201,7 +202,11 @@ def test_the_region_child_is_sandboxed(tmp_path, monkeypatch, spawn):
              f"        socket.create_connection(('127.0.0.1', {port}), timeout=0.5).close(); seen['net'] = 'reached'\n"
              "    except OSError as exc:\n"
              "        seen['net'] = type(exc).__name__\n"
-             "    pathlib.Path(__file__).with_name('leak.txt').write_text(repr(seen))\n")
+             "    try:\n"
+             "        pathlib.Path(__file__).with_name('leak.txt').write_text(repr(seen))\n"
+             "    except OSError as exc:  # confined: its worktree is read-only; its side's TMPDIR is its own\n"
+             "        seen['worktree'] = type(exc).__name__\n"
+             "        pathlib.Path(os.environ['TMPDIR'], 'leak.txt').write_text(repr(seen))\n")
     baseline, candidate = _pair(tmp_path, "def mix(x, weight):\n", "def mix(x, weight):\n" + probe)
     try:
         timing = time_region(baseline, candidate, [MIX], **FAST)
@@ -209,11 +214,17 @@ def test_the_region_child_is_sandboxed(tmp_path, monkeypatch, spawn):
         stop.set()
         thread.join(timeout=2)
         server.close()
-    leak = (candidate / "leak.txt").read_text(encoding="utf-8")
+    confined = spawn == "exec" and confinement.bubblewrap().usable
+    leak_file = confinement.cache_dir(candidate) / "tmp" / "leak.txt" if confined else candidate / "leak.txt"
+    leak = leak_file.read_text(encoding="utf-8")
     assert "must-not-leak" not in leak and "'secret': None" in leak  # the scrubbed environment
-    if network_isolation().isolated:
+    if network_isolation().isolated or confined:
         assert accepted == [] and "reached" not in leak
-    assert timing.written == ["candidate/leak.txt"] and timing.verdict == "unisolated" and timing.spawn == spawn
+    assert timing.spawn == spawn
+    if confined:  # under bubblewrap the write into its worktree is refused: nothing to catch
+        assert "'worktree': 'OSError'" in leak and not (candidate / "leak.txt").exists() and timing.written == []
+        return
+    assert timing.written == ["candidate/leak.txt"] and timing.verdict == "unisolated"
     verdict = region_verdict(timing, backend="cpu")
     assert verdict is not None and verdict.reason == VerdictReason.tampered_harness and not verdict.accepted
 

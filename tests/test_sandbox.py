@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from trainbridge.sandbox import runner
+from trainbridge.sandbox import confinement
 from trainbridge.sandbox.isolation import NetworkIsolation, network_isolation
 from trainbridge.sandbox.results import FailureKind
 from trainbridge.sandbox.runner import run_workload
 from trainbridge.sandbox.workload import WorkloadConfigError, load_workload
+from trainbridge.tests.host import env_probe_report
 
 WORKLOADS = Path(__file__).parent / "fixtures" / "workloads"
 
@@ -92,10 +93,9 @@ def test_secrets_do_not_reach_the_child_and_network_is_isolated(tmp_path, monkey
     monkeypatch.setenv("HF_TOKEN", "hf-should-not-leak")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-should-not-leak")
     monkeypatch.setenv("SOME_HARMLESS_SETTING", "also-dropped")
-    probe = tmp_path / "probe.json"
-    result = run("env_probe", extra_env={"TB_TEST_PROBE_OUT": str(probe), "GITHUB_TOKEN": "ghp-should-not-leak"})
+    result = run("env_probe", extra_env={"GITHUB_TOKEN": "ghp-should-not-leak"})
     assert result.ok, result.failure
-    seen = json.loads(probe.read_text())
+    seen = env_probe_report(result)
     leaked = [name for name, value in seen["env"].items() if "should-not-leak" in value]
     assert leaked == []
     assert "SOME_HARMLESS_SETTING" not in seen["env"]
@@ -103,7 +103,10 @@ def test_secrets_do_not_reach_the_child_and_network_is_isolated(tmp_path, monkey
     host_interfaces = sorted(name for _, name in socket.if_nameindex())
     isolation = network_isolation()
     assert result.network_isolated == isolation.isolated  # the run reports what the host allows
-    if result.network_isolated:
+    if result.confined:  # bubblewrap's namespaces, the network's among them
+        assert seen["interfaces"] == ["lo"], seen["interfaces"]
+        assert result.network_isolated and result.isolation_notes[0].startswith("confined by bubblewrap")
+    elif result.network_isolated:
         # a new, empty network namespace: only its own loopback, none of the host's interfaces
         assert seen["interfaces"] == ["lo"], seen["interfaces"]
         assert any("network isolated" in note for note in result.isolation_notes)
@@ -119,13 +122,15 @@ def test_a_host_that_refuses_namespaces_still_runs_the_child_and_says_so(tmp_pat
     """What holds on such a host, checked on every host: the refusal is planted."""
     refused = NetworkIsolation((), False, ["network not isolated: this host refuses new network namespaces "
                                            "(unshare: unshare failed: Operation not permitted)"])
-    monkeypatch.setattr(runner, "network_isolation", lambda: refused)
+    monkeypatch.setattr(confinement, "bubblewrap", lambda: confinement.Tool(None, False, "bubblewrap is not installed"))
+    monkeypatch.setattr(confinement, "network_isolation", lambda: refused)
     monkeypatch.setenv("OPENAI_API_KEY", "sk-should-not-leak")
-    probe = tmp_path / "probe.json"
-    result = run("env_probe", extra_env={"TB_TEST_PROBE_OUT": str(probe)})
+    result = run("env_probe")
     assert result.ok, result.failure
-    assert result.network_isolated is False and result.isolation_notes == refused.notes
-    seen = json.loads(probe.read_text())
+    assert result.network_isolated is False and not result.confined
+    assert result.isolation_notes == ["not confined: bubblewrap is not installed; the child can write wherever TrainBridge can",
+                                      *refused.notes]
+    seen = env_probe_report(result)
     assert seen["interfaces"] == sorted(name for _, name in socket.if_nameindex())  # the host's own namespace
     assert "OPENAI_API_KEY" not in seen["env"]  # the other protections do not depend on the namespace
 

@@ -44,7 +44,7 @@ def test_sigterm_of_measure_mid_step_leaves_no_sandbox_process(tmp_path):
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not sandbox and cli.poll() is None:
-            sandbox = [pid for pid in _children(cli.pid) if "script_launcher" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+            sandbox = [pid for pid in _children(cli.pid) if "sandbox.script.launcher" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
             time.sleep(0.2)
         assert sandbox, f"the sandbox child never started: {cli.stderr.read().decode()[-2000:] if cli.poll() is not None else ''}"
         time.sleep(4.0)  # into its steps (torch imported, the script stepping)

@@ -29,7 +29,8 @@ import libcst as cst
 from trainbridge.knowledge.schema import Recipe
 from trainbridge.records import SourceSpan
 from trainbridge.sandbox.backends import Backend, npu_selection
-from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory, network_isolation, scrubbed_env
+from trainbridge.sandbox.confinement import child_sandbox
+from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory, scrubbed_env
 from trainbridge.sandbox.npu_emulation import selection_env
 from trainbridge.tools.codemods.engine import CodemodRefused, Edit, apply_recipe
 from trainbridge.tools.codemods.pattern import PatternError
@@ -76,8 +77,9 @@ def run_probe(program: str, *, root: Path | None, target: str, timeout_s: float 
     with tempfile.TemporaryDirectory(prefix="tb-semantic-") as tmp:
         script = Path(tmp) / "probe.py"
         script.write_text(program, encoding="utf-8")
-        argv = [*network_isolation().prefix, sys.executable, str(script)]
-        child = subprocess.Popen(argv, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        box = child_sandbox(Path(tmp), root=root, backend=target)
+        argv = [*box.prefix, sys.executable, str(script)]
+        child = subprocess.Popen(argv, cwd=tmp, env={**env, **box.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  preexec_fn=limit_memory(default_memory_limit_mb()), start_new_session=True)
         try:
             out, err = child.communicate(timeout=timeout_s)

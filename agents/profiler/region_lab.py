@@ -30,6 +30,7 @@ from trainbridge.agents.profiler.verdict import Verdict, VerdictReason
 from trainbridge.records import SourceSpan
 from trainbridge.sandbox.child import fork_server
 from trainbridge.sandbox.backends import Backend
+from trainbridge.sandbox.confinement import child_sandbox
 from trainbridge.sandbox.isolation import default_memory_limit_mb, network_isolation, scrubbed_env
 from trainbridge.sandbox.runner import run_confined
 from trainbridge.sandbox.scratch import scratch_dir
@@ -128,10 +129,11 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
                    "sites": [site.model_dump(mode="json") for site in sites],
                    "baseline": _side(baseline), "candidate": _side(candidate)}
         (tmp_dir / "request.json").write_text(json.dumps(request), encoding="utf-8")
-        argv = [*isolation.prefix, sys.executable, "-m", "trainbridge.sandbox.region_bench", str(tmp_dir / "request.json")]
-        with fork_server.serving(fork_server.default_spawn(target.name), keep_warm=True):  # under the isolation prefix
+        box = child_sandbox(tmp_dir, root=candidate.root, backend=target.name)  # exec'd: under bubblewrap
+        argv = [*box.prefix, sys.executable, "-m", "trainbridge.sandbox.region_bench", str(tmp_dir / "request.json")]
+        with fork_server.serving(fork_server.default_spawn(target.name), keep_warm=True):  # forked: under the isolation prefix
             outcome = run_confined(argv, cwd=candidate.root, env=env, memory_limit_mb=memory_limit_mb, timeout_s=timeout_s,
-                                   tmp_dir=tmp_dir, forked=("region_bench", [str(tmp_dir / "request.json")]))
+                                   tmp_dir=tmp_dir, forked=("region_bench", [str(tmp_dir / "request.json")]), exec_env=box.env)
         spawned = {"spawn": outcome.spawn}
         result_path = tmp_dir / "result.json"
         written = [f"{side}/{path}" for side, w in (("baseline", baseline), ("candidate", candidate))

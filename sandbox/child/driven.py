@@ -42,6 +42,12 @@ class StepPlan:
         return cls(warmup=list(range(warmup)), measured=list(range(warmup, warmup + steps)),
                    cooldown=list(range(warmup + steps, warmup + steps + cooldown)))
 
+    def evidence_dirs(self) -> list[Path]:
+        """The folders the child is asked to leave its evidence in (the probe's gradients, the parameter changes):
+        a confined child may write there (sandbox/confinement.py)."""
+        paths = [(self.probe or {}).get("grads_path"), self.deltas_path]
+        return list(dict.fromkeys(Path(p).parent for p in paths if p))
+
     def timed(self) -> list[tuple[str, int]]:
         """(phase, batch index) of every timed step, in order."""
         return [("warmup", i) for i in self.warmup] + [("measured", i) for i in self.measured] + [("cooldown", i) for i in self.cooldown]
@@ -119,6 +125,7 @@ class DrivenChild:
         self.base_nice = os.getpriority(os.PRIO_PROCESS, 0)
         self.siblings: set[int] = set()
         self.popen: subprocess.Popen | Any = None  # or a fork_server.ForkedChild
+        self._watched: int | None = None  # `watched_pid`, once resolved
         self.channel: Channel | None = None
         self.since: int | None = None
         self._files: list[Any] = []
@@ -164,6 +171,14 @@ class DrivenChild:
     def pid(self) -> int:
         assert self.popen is not None
         return self.popen.pid
+
+    @property
+    def watched_pid(self) -> int:
+        """The process the kernel's view is read from: the child itself, below bubblewrap's processes when it is
+        confined (sandbox/confinement.py); the gate still waits for, and kills the group of, `pid`."""
+        if self._watched is None or self._watched == self.pid:
+            self._watched = proc_watch.inner_pid(self.pid)
+        return self._watched
 
     def guarded(self, action, *args):
         """Run one exchange with the child; its faults land in the outcome and raise ChildStopped."""
@@ -247,7 +262,7 @@ class DrivenChild:
 
     # ---- the kernel's view ----
     def sample(self) -> proc_watch.TreeSample | None:
-        return proc_watch.sample_tree(self.pid, base_nice=self.base_nice, reaper_pid=self._reaper_pid(), since_ticks=self.since,
+        return proc_watch.sample_tree(self.watched_pid, base_nice=self.base_nice, reaper_pid=self._reaper_pid(), since_ticks=self.since,
                                       exclude=self.siblings)
 
     def note_interference(self) -> None:
@@ -264,7 +279,7 @@ class DrivenChild:
                 _add(watch.interference, f"the child was {what} by another process")
         except ChildProcessError:
             pass
-        for tid, nice, _ in proc_watch.thread_stats(self.pid):
+        for tid, nice, _ in proc_watch.thread_stats(self.watched_pid):
             if nice > self.base_nice:
                 _add(watch.interference, f"a thread of the child was moved to nice {nice} (the gate starts it at {self.base_nice})")
             try:
@@ -281,7 +296,8 @@ class DrivenChild:
     def survivors(self) -> list[proc_watch.ProcStat]:
         if self.popen is None:
             return []
-        return proc_watch.descendants(self.pid, reaper_pid=self._reaper_pid(), since_ticks=self.since, exclude=self.siblings)
+        return proc_watch.descendants(self.watched_pid, reaper_pid=self._reaper_pid(), since_ticks=self.since,
+                                      exclude=self.siblings)
 
     def close(self, survivors: list[proc_watch.ProcStat]) -> None:
         """Wait briefly, kill the process group, kill and reap what escaped it, close the pipes."""

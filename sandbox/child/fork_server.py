@@ -51,6 +51,7 @@ from typing import Literal
 
 from trainbridge.sandbox import proc_watch
 from trainbridge.sandbox.child.fork_child import PREWARM_ENV
+from trainbridge.sandbox.confinement import SIDE_ENV
 from trainbridge.sandbox.isolation import network_isolation
 
 SpawnKind = Literal["fork-server", "exec"]
@@ -169,8 +170,9 @@ class ForkServer:
         log_path = scratch / f"fork-server-{len(list(scratch.glob('fork-server-*')))}.log"
         with log_path.open("wb") as log:
             try:
+                own = {k: v for k, v in env.items() if k not in SIDE_ENV}  # a child's own places are set at its fork
                 process = subprocess.Popen([*prefix, sys.executable, "-m", SERVER_MODULE, "--socket", str(theirs.fileno())],
-                                           cwd=scratch, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                           cwd=scratch, env={**own, "HOME": str(scratch), "TMPDIR": str(scratch)}, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                            pass_fds=(theirs.fileno(),), start_new_session=True)
             except OSError as exc:
                 ours.close()
@@ -332,8 +334,9 @@ def active() -> ForkPool | None:
 
 
 def _env_key(env: dict[str, str]) -> tuple:
-    """Which server serves a child with `env`: the environment, its hash seed aside."""
-    return tuple(sorted((k, v) for k, v in env.items() if k != _HASH_SEED))
+    """Which server serves a child with `env`: the environment, its hash seed and its own places aside
+    (`confinement.SIDE_ENV`: HOME, TMPDIR, compile caches, read by nothing before the fork)."""
+    return tuple(sorted((k, v) for k, v in env.items() if k != _HASH_SEED and k not in SIDE_ENV))
 
 
 def _warm_pool(prefix: tuple[str, ...], work_dir: Path | None) -> ForkPool:

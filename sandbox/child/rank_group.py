@@ -368,19 +368,22 @@ class RankGroupChild(DrivenChild):
         return events
 
     def rank_pids(self) -> list[int]:
+        """The ranks' pids on this host (a confined supervisor logs its own namespace's: mapped to the host's)."""
         if len(self._rank_pids) < self.ranks:
-            self._rank_pids = [int(e["pid"]) for e in self._events() if e.get("event") == "started"]
+            logged = [int(e["pid"]) for e in self._events() if e.get("event") == "started"]
+            self._rank_pids = proc_watch.host_pids(self.pid, logged) if self.watched_pid != self.pid else logged
         return self._rank_pids
 
     # ---- the kernel's view: the ranks are the child ----
     def sample(self) -> proc_watch.TreeSample | None:
-        top = proc_watch.read_stat(self.pid)
+        supervisor = self.watched_pid  # below bubblewrap's processes when confined
+        top = proc_watch.read_stat(supervisor)
         if top is None:
             return None
         ranks = set(self.rank_pids())
-        tree = proc_watch.descendants(self.pid, reaper_pid=self._reaper_pid(), since_ticks=self.since, exclude=self.siblings)
+        tree = proc_watch.descendants(supervisor, reaper_pid=self._reaper_pid(), since_ticks=self.since, exclude=self.siblings)
         helpers = [stat for stat in tree if stat.pid not in ranks]
-        own = proc_watch.thread_cpu_ns(self.pid)
+        own = proc_watch.thread_cpu_ns(supervisor)
         cpu = own if own is not None else top.cpu_ns
         threads, raised = 0, []
         for stat in tree:

@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from libcst.codemod.visitors import AddImportsVisitor
 
 from trainbridge.agents.coder import prompts
 from trainbridge.agents.coder.llm.reply import PatchRejected, LocatedEdit
-from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory, network_isolation, scrubbed_env
+from trainbridge.sandbox.confinement import child_sandbox
+from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory, scrubbed_env
 from trainbridge.tools.codemods.imports import parse_import_line
 
 IMPORT_CHECK_TIMEOUT_S = 120.0
@@ -176,19 +178,21 @@ def import_in_sandbox(root: Path, file: str, target: str, timeout_s: float = IMP
     env = scrubbed_env({}, threads=1, seed=0)
     if target == "npu":
         env = _npu_env(env)
-    isolation = network_isolation()
-    try:
-        child = subprocess.Popen([*isolation.prefix, sys.executable, "-c", _IMPORT_CHECK, str(root), file], cwd=root,
-                                 env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, start_new_session=True, preexec_fn=limit_memory(default_memory_limit_mb()))
-    except OSError as exc:
-        return f"could not start the import check: {exc}"
-    try:
-        _, err = child.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.communicate()
-        return f"importing {file} did not finish within {timeout_s:g} s"
+    with tempfile.TemporaryDirectory(prefix="tb-import-check-") as tmp:
+        box = child_sandbox(Path(tmp), root=root, backend=target)
+        try:
+            child = subprocess.Popen([*box.prefix, sys.executable, "-c", _IMPORT_CHECK, str(root), file], cwd=root,
+                                     env={**env, **box.env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                     preexec_fn=limit_memory(default_memory_limit_mb()))
+        except OSError as exc:
+            return f"could not start the import check: {exc}"
+        try:
+            _, err = child.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.communicate()
+            return f"importing {file} did not finish within {timeout_s:g} s"
     if child.returncode == 0:
         return None
     return "\n".join(err.strip().splitlines()[-12:]) or f"the import check exited with code {child.returncode}"

@@ -1,0 +1,126 @@
+"""Confinement of exec'd sandbox children by bubblewrap (sandbox/confinement.py, issue 24): a child's code cannot
+write outside its own scratch and compile cache, cannot see or signal TrainBridge's processes, and trains as before;
+without bubblewrap the result says it was not confined."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import trainbridge
+from trainbridge.sandbox import confinement
+from trainbridge.sandbox.runner import run_workload
+from trainbridge.sandbox.workload import load_workload
+
+TINY = Path(__file__).parent / "fixtures" / "workloads" / "tiny"
+MARK = "ESCAPE-PROBE "
+# appended to the tiny workload's module: runs at import, in the child, before the first step
+PROBE = '''
+
+def _escape_probe():
+    import json, os, signal, tempfile
+    from pathlib import Path
+
+    def attempt(what, action):
+        try:
+            action()
+            return "done"
+        except Exception as exc:
+            return type(exc).__name__
+
+    here = Path(__file__).resolve().parent
+    outside = Path(os.environ["TB_TEST_OUTSIDE"])
+    parent = int(os.environ["TB_TEST_PARENT_PID"])
+    report = {
+        "own_worktree": attempt("w", lambda: (here / "planted.txt").write_text("x")),
+        "own_pycache": attempt("p", lambda: ((here / "__pycache__").mkdir(exist_ok=True), (here / "__pycache__" / "step.cpython-311.pyc").write_bytes(b"x"))),
+        "installed_tool": attempt("t", lambda: (Path(os.environ["TB_TEST_PACKAGE"]) / "planted_by_child.py").write_text("x")),
+        "other_folder": attempt("o", lambda: (outside / "planted.txt").write_text("x")),
+        "signal_parent": attempt("s", lambda: os.kill(parent, signal.SIGCONT)),
+        "temp_file": attempt("f", lambda: tempfile.mkstemp()),
+        "home_file": attempt("h", lambda: (Path.home() / "note").write_text("x")),
+        "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
+        "uid": os.getuid(),
+    }
+    print("ESCAPE-PROBE " + json.dumps(report), flush=True)
+
+
+_escape_probe()
+'''
+
+
+def _probe_workload(tmp_path: Path) -> Path:
+    root = tmp_path / "wl"
+    shutil.copytree(TINY, root)
+    with (root / "step.py").open("a", encoding="utf-8") as handle:
+        handle.write(PROBE)
+    return root
+
+
+def _report(result) -> dict:
+    line = next(x for x in result.stdout_tail.splitlines() if x.startswith(MARK))
+    return json.loads(line[len(MARK):])
+
+
+def _env(tmp_path: Path, package: Path | None = None) -> dict[str, str]:
+    outside = tmp_path / "outside"
+    outside.mkdir(exist_ok=True)
+    return {"TB_TEST_OUTSIDE": str(outside), "TB_TEST_PARENT_PID": str(os.getpid()),
+            "TB_TEST_PACKAGE": str(package or Path(trainbridge.__file__).resolve().parent)}
+
+
+needs_bubblewrap = pytest.mark.skipif(not confinement.bubblewrap().usable,
+                                      reason=f"no confinement here: {confinement.bubblewrap().reason}")
+
+
+@needs_bubblewrap
+def test_an_execd_child_writes_only_its_scratch_and_sees_no_process_of_ours(tmp_path):
+    root = _probe_workload(tmp_path)
+    result = run_workload(load_workload(root), mode="measure", extra_env=_env(tmp_path))
+
+    assert result.failure is None, result.stderr_tail
+    assert result.confined and result.network_isolated and "confined by bubblewrap" in result.isolation_notes[0]
+    report = _report(result)
+    for place in ("own_worktree", "own_pycache", "installed_tool", "other_folder"):
+        assert report[place] == "OSError", (place, report)  # EROFS: the filesystem is read-only to it
+    assert report["signal_parent"] == "ProcessLookupError", report  # our pid names nothing in its namespace
+    assert report["temp_file"] == "done" and report["home_file"] == "done", report  # its own TMPDIR and HOME
+    assert len(report["pids"]) < 10, report  # its own PID namespace: bubblewrap's init and itself, not the host's
+    assert report["uid"] == confinement.SANDBOX_UID
+    assert not (root / "planted.txt").exists() and not (root / "__pycache__").exists()
+    assert not (Path(trainbridge.__file__).resolve().parent / "planted_by_child.py").exists()
+    assert not (tmp_path / "outside" / "planted.txt").exists()
+    assert len(result.step_times_s) == 3  # and it trained as before
+
+
+@needs_bubblewrap
+def test_the_compile_cache_is_the_sides_own_and_outlives_its_rounds(tmp_path):
+    baseline, candidate = tmp_path / "baseline", tmp_path / "candidate"
+    assert confinement.cache_dir(baseline) != confinement.cache_dir(candidate)
+    assert confinement.cache_dir(baseline) == confinement.cache_dir(baseline)
+    first = confinement.child_sandbox(tmp_path / "scratch-1", root=baseline)
+    again = confinement.child_sandbox(tmp_path / "scratch-2", root=baseline)  # another round of the same side
+    assert first.env == again.env  # nothing in its environment tells one round from another
+    assert all(value.startswith(str(confinement.cache_dir(baseline))) for value in first.env.values())
+    assert str(tmp_path / "scratch-1") in first.prefix and str(confinement.cache_dir(baseline)) in first.prefix
+
+
+def test_without_bubblewrap_the_child_runs_unconfined_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv(confinement.CONFINE_ENV, "0")
+    confinement.bubblewrap.cache_clear()
+    try:
+        root = _probe_workload(tmp_path)
+        stand_in = tmp_path / "package"  # unconfined, the probe would really write into the installed tool
+        stand_in.mkdir()
+        result = run_workload(load_workload(root), mode="measure", extra_env=_env(tmp_path, stand_in))
+    finally:
+        monkeypatch.delenv(confinement.CONFINE_ENV)
+        confinement.bubblewrap.cache_clear()
+    assert result.failure is None, result.stderr_tail
+    assert not result.confined and result.isolation_notes[0].startswith("not confined: TRAINBRIDGE_CONFINE=0")
+    report = _report(result)
+    assert report["own_worktree"] == "done" and report["installed_tool"] == "done"  # what confinement prevents
