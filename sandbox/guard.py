@@ -18,7 +18,8 @@ DEVICE = ("torch.cuda.synchronize", "torch.cuda.Event", "torch.Tensor.item", "to
           "torch.set_num_threads", "torch.get_num_threads", "torch.manual_seed", "torch.npu.synchronize")
 HARNESS_MODULES = ("trainbridge.sandbox.harness", "trainbridge.sandbox.child.step_server", "trainbridge.sandbox.child.channel",
                    "trainbridge.sandbox.numerics_probe", "trainbridge.sandbox.backends", "trainbridge.sandbox.guard",
-                   "trainbridge.sandbox.script.hooks", "trainbridge.sandbox.script.overrides")  # the last two: script mode
+                   "trainbridge.sandbox.script.hooks", "trainbridge.sandbox.script.overrides",  # these two: script mode
+                   "trainbridge.sandbox.evidence")
 
 
 def _resolve(dotted: str) -> Any:

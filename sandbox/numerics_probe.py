@@ -29,6 +29,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from trainbridge.sandbox.evidence import save_evidence
+
 _INT_VIEW_BY_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 
 
@@ -66,8 +68,7 @@ def run_numerics(parts: dict[str, Any], backend, request: dict[str, Any]) -> dic
     backend.sync()
     grads = {name: p.grad.detach().to("cpu", copy=True) for name, p in named if p.grad is not None}
     no_grad = [name for name, p in trainable if p.grad is None]
-    grads_path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(grads, grads_path)
+    grads_sha256 = save_evidence(grads, grads_path)  # its digest goes back over the child's own channel
     model.zero_grad(set_to_none=True)  # no optimizer step has run: the model is as freshly built
     with torch.no_grad():
         for name, b in model.named_buffers():
@@ -99,6 +100,7 @@ def run_numerics(parts: dict[str, Any], backend, request: dict[str, Any]) -> dic
         "seed": seed,
         "batch_indices": indices,
         "grads_path": str(grads_path),
+        "grads_sha256": grads_sha256,
         "param_names": [name for name, _ in named],
         "param_shapes": {name: list(p.shape) for name, p in named},
         "trainable": [name for name, _ in trainable],

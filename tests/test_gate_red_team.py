@@ -78,7 +78,8 @@ def test_every_cheat_names_its_class_and_expectation():
                    "mode sniffing (argv)", "mode sniffing (files)", "work skipped only when timed (call-stack sniffing)",
                    "work cached across steps", "thread-count games", "process-priority games", "writing to the harness's output",
                    "reading the gate's seed", "slowing the other side (paired rounds)",
-                   "writing into the other side's files (bytecode cache)", "writing into the installed tool"):
+                   "writing into the other side's files (bytecode cache)", "writing into the installed tool",
+                   "overwriting the other side's evidence"):
         assert needed in classes, needed
     for cheat in CHEATS:
         expect = _header(cheat, "expect")

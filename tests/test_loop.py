@@ -61,7 +61,7 @@ DRIVER = r"""
 import json, os, signal, sys
 args = json.loads(sys.argv[1])
 if args.get("kill_after"):
-    from trainbridge.tools import git_runner
+    from trainbridge.tools.git import runner as git_runner
     kind, ref = args["kill_after"]
     original = git_runner._git_status
     def _git_status(cwd, *argv, **kwargs):

@@ -53,7 +53,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -61,8 +61,9 @@ from trainbridge.agents.profiler import conduct, quiet, tamper
 from trainbridge.agents.profiler.drift import MARGIN as DRIFT_MARGIN
 from trainbridge.agents.profiler.drift import (DriftCache, GateDrift, capped_note, capped_widening, not_repeating, timed_drift,
                                                zero_gradient_params)
-from trainbridge.agents.profiler.integrity import Finding, check_config, check_probes, check_timed_deltas, check_timed_losses
-from trainbridge.agents.profiler.numerics import NumericsResult, NumericsTolerance, compare_numerics, load_grads
+from trainbridge.agents.profiler.integrity import (Finding, FindingKind, check_config, check_probes, check_timed_deltas,
+                                                   check_timed_losses)
+from trainbridge.agents.profiler.numerics import NumericsResult, NumericsTolerance, compare_numerics
 from trainbridge.agents.profiler.probe_report import ProbeReport, ProbeReportError
 from trainbridge.agents.profiler.sequential import SequentialGate, looks
 from trainbridge.agents.profiler.stats import SpeedOutcome
@@ -73,6 +74,7 @@ from trainbridge.sandbox.results import Failure, FailureKind, RunResult
 from trainbridge.sandbox.runner import run_workload, run_workload_pair
 from trainbridge.sandbox.scratch import scratch_dir
 from trainbridge.sandbox.child.step_driver import StepPlan
+from trainbridge.sandbox.evidence import EvidenceMismatch, load_evidence
 from trainbridge.sandbox.workload import Workload
 
 GateProgress = Callable[[str, int, int], None]  # (phase, done, total); phases "numerics", "timing"
@@ -152,6 +154,7 @@ class SideRun:
     deltas: dict | None = None
     unchanged: list[str] | None = None
     written: list[str] | None = None
+    forged: list[str] = field(default_factory=list)  # its evidence files that are not what it reported (sandbox/evidence.py)
 
 
 def run_side(workload: Workload, inputs: RoundInputs, *, backend: str, extra_env: dict[str, str] | None,
@@ -193,14 +196,24 @@ def _side(run: RunResult, tmp: Path, written: list[str]) -> SideRun:
         return side
     try:  # whatever the child left behind is only a result once it parses
         side.report = ProbeReport.from_run(run)
-        side.grads = load_grads(tmp / "grads.pt")
+        side.grads = _evidence(side, tmp / "grads.pt", side.report.grads_sha256)
         final = run.extra.get("final") or {}
         side.unchanged = [str(n) for n in final.get("unchanged_params", [])]
-        side.deltas = load_grads(tmp / "deltas.pt")
+        side.deltas = _evidence(side, tmp / "deltas.pt", final.get("deltas_sha256"))
     except (ProbeReportError, ValueError, OSError, RuntimeError) as exc:
         run.failure = Failure(kind=FailureKind.crashed, message=f"the gate run left no readable probe, gradient or parameter "
                               f"file ({type(exc).__name__}: {exc})"[:2000])
     return side
+
+
+def _evidence(side: SideRun, path: Path, sha256: str | None) -> dict | None:
+    """An evidence file of `side`, checked against the digest the child reported over its own channel; a file
+    that is not what it reported is kept out of the comparison and noted in `side.forged`."""
+    try:
+        return load_evidence(path, sha256)
+    except EvidenceMismatch as exc:
+        side.forged.append(str(exc))
+        return None
 
 
 def default_pairing(backend: str) -> Pairing:
@@ -380,6 +393,10 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
             moved = tamper.baseline_findings(baseline.root, baseline_before, baseline_tree(), sides["candidate"].written or [], where)
             if moved:
                 return verdict(VerdictReason.tampered_harness, moved[0].message, phase, findings=moved)
+        forged = [Finding(kind=FindingKind.tampered_harness, message=f"{where}: the {name}'s evidence was rewritten after it "
+                          f"reported it: {message}") for name, side in sides.items() for message in side.forged]
+        if forged:
+            return verdict(VerdictReason.tampered_harness, forged[0].message, phase, findings=forged)
         failed = _failed_side(sides, where)
         if failed is not None:
             reason, message, findings = failed

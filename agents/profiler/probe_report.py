@@ -19,6 +19,8 @@ class ProbeReport(BaseModel):
     seed: int
     batch_indices: list[int]
     grads_path: Path = Field(description="torch.save'd dict: parameter name -> first-step gradient (CPU)")
+    grads_sha256: str | None = Field(default=None, description="the SHA-256 of that file's bytes, as the child reported it "
+                                     "over its own channel (sandbox/evidence.py)")
     param_names: list[str] = Field(description="model.named_parameters() order")
     param_shapes: dict[str, list[int]]
     trainable: list[str] = Field(description="parameters with requires_grad")

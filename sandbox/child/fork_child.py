@@ -38,7 +38,8 @@ import traceback
 
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "trainbridge.sandbox.harness", "trainbridge.sandbox.child.step_server", "trainbridge.sandbox.child.channel",
            "trainbridge.sandbox.guard", "trainbridge.sandbox.numerics_probe", "trainbridge.sandbox.backends",
-           "trainbridge.sandbox.script.hooks", "trainbridge.sandbox.script.overrides", "trainbridge.sandbox.region_bench")
+           "trainbridge.sandbox.script.hooks", "trainbridge.sandbox.script.overrides", "trainbridge.sandbox.region_bench",
+           "trainbridge.sandbox.evidence")
 # what a forked child may run, by the name a request gives: the harness (on its channel), or the region lab's child
 # (on a request file, agents/profiler/region_lab.py); a request naming anything else is refused
 PROGRAMS = {"harness": "trainbridge.sandbox.harness", "region_bench": "trainbridge.sandbox.region_bench"}

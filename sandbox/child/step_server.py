@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+
+from trainbridge.sandbox.evidence import save_evidence
 from typing import Any
 
 from trainbridge.sandbox.child.channel import Channel
@@ -107,6 +109,5 @@ def save_parameter_deltas(named, marked: dict[str, Any], path: Path) -> dict[str
         if not bool(delta.any()):
             unchanged.append(name)
         deltas[name] = delta
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(deltas, path)
-    return {"unchanged_params": unchanged, "deltas_path": str(path)}
+    digest = save_evidence(deltas, path)  # reported over the child's own channel (sandbox/evidence.py)
+    return {"unchanged_params": unchanged, "deltas_path": str(path), "deltas_sha256": digest}

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainbridge.sandbox.evidence import save_evidence
 from trainbridge.sandbox.numerics_probe import bits_fingerprint
 from trainbridge.sandbox.child.step_server import save_parameter_deltas
 
@@ -172,11 +173,11 @@ class _Probe:
     def report(self) -> dict[str, Any]:
         import torch
 
-        self.grads_path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(self.grads, self.grads_path)
+        grads_sha256 = save_evidence(self.grads, self.grads_path)  # reported over the child's own channel
         names = [name for name, _ in self.params]
         steps = len(self.losses)
-        return {"seed": self.seed, "batch_indices": self.batch_indices, "grads_path": str(self.grads_path), "param_names": names,
+        return {"seed": self.seed, "batch_indices": self.batch_indices, "grads_path": str(self.grads_path),
+                "grads_sha256": grads_sha256, "param_names": names,
                 "param_shapes": {name: list(p.shape) for name, p in self.params},
                 "trainable": [name for name, p in self.params if p.requires_grad],
                 "no_grad_params": [name for name, p in self.params if p.requires_grad and name not in self.grads],
