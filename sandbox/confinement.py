@@ -123,4 +123,4 @@ def child_sandbox(scratch: Path, *, root: Path | str | None = None, backend: str
     prefix = (*_base_args(tool.path, backend != "cpu"), *binds, "--")
     return Sandbox(prefix=prefix, env=env, confined=True, network_isolated=True,
                    notes=["confined by bubblewrap: own user, PID, mount and network namespaces; writable: its own "
-                          "scratch and compile cache only"])
+                          "scratch, its side's folder (HOME, TMPDIR, compile caches) and its evidence folder only"])
