@@ -87,13 +87,23 @@ def bubblewrap() -> Tool:
     return Tool(path, True, "bubblewrap")
 
 
-def cache_dir(root: Path | str | None) -> Path:
-    """The compile cache of the children that run code from `root` (created on first use): a folder per
-    workload root, so two sides never share one and a side's cache outlives its rounds."""
+def side_folder(root: Path | str | None) -> Path:
+    """Where the side's folder of `root` is (`cache_dir` makes it)."""
     key = hashlib.sha256(str(Path(root).resolve() if root else "").encode()).hexdigest()[:16]
-    folder = Path(tempfile.gettempdir()) / f"{CACHE_PREFIX}{key}"
+    return Path(tempfile.gettempdir()) / f"{CACHE_PREFIX}{key}"
+
+
+def cache_dir(root: Path | str | None) -> Path:
+    """The side's folder of the children that run code from `root` (created on first use): a folder per
+    workload root, so two sides never share one and a side's compile cache outlives its rounds."""
+    folder = side_folder(root)
     folder.mkdir(mode=0o700, exist_ok=True)
     return folder
+
+
+def remove_side(root: Path | str | None) -> None:
+    """Remove the side's folder of `root` (a judged candidate's: nothing runs its code again)."""
+    shutil.rmtree(side_folder(root), ignore_errors=True)
 
 
 def side_env(root: Path | str | None) -> dict[str, str]:

@@ -124,3 +124,23 @@ def test_without_bubblewrap_the_child_runs_unconfined_and_says_so(tmp_path, monk
     assert not result.confined and result.isolation_notes[0].startswith("not confined: TRAINBRIDGE_CONFINE=0")
     report = _report(result)
     assert report["own_worktree"] == "done" and report["installed_tool"] == "done"  # what confinement prevents
+
+
+def test_a_judged_candidates_folder_is_removed_and_the_baselines_kept(tmp_path, monkeypatch):
+    """judge_candidate removes the candidate's side folder (its HOME, TMPDIR, compile caches) once it is judged,
+    whatever the verdict; the baseline's stays for the next gate."""
+    from trainbridge.agents.profiler import judge
+
+    baseline, candidate = tmp_path / "baseline", tmp_path / "candidate"
+    for root in (baseline, candidate):
+        shutil.copytree(TINY, root)
+        (confinement.cache_dir(root) / "inductor" / "entry").mkdir(parents=True)
+
+    def failing_gate(*args, **kwargs):
+        raise RuntimeError("the gate broke")
+
+    monkeypatch.setattr(judge, "run_gate", failing_gate)
+    with pytest.raises(RuntimeError):
+        judge.judge_candidate(baseline, candidate, target="cpu", rounds=2, max_rounds=2, min_gain=0.01)
+    assert not confinement.side_folder(candidate).exists()
+    assert (confinement.cache_dir(baseline) / "inductor" / "entry").is_dir()

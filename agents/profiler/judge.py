@@ -14,6 +14,7 @@ from trainbridge.agents.profiler.numerics import NumericsTolerance
 from trainbridge.agents.profiler.region_lab import lab_enabled, lab_env, region_verdict, time_region
 from trainbridge.agents.profiler.verdict import Verdict
 from trainbridge.sandbox.backends import npu_emulated
+from trainbridge.sandbox.confinement import remove_side
 from trainbridge.sandbox.workload import load_workload, workload_for_launch
 
 
@@ -73,7 +74,16 @@ def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, r
     def workload(root: Path):
         return workload_for_launch(root, launch) if launch else load_workload(root)
 
-    baseline, candidate = workload(baseline_root), workload(candidate_root)
+    try:
+        return _judge(workload(baseline_root), workload(candidate_root), target=target, tolerance=tolerance, rounds=rounds,
+                      max_rounds=max_rounds, min_gain=min_gain, report=report, sites=sites, baseline_step_s=baseline_step_s,
+                      watched=watched)
+    finally:
+        remove_side(candidate_root)  # its children's HOME, TMPDIR and compile caches (sandbox/confinement.py)
+
+
+def _judge(baseline, candidate, *, target: str, tolerance, rounds: int, max_rounds: int | None, min_gain: float, report,
+           sites: list | None, baseline_step_s: float | None, watched: tuple[Path, ...]) -> Verdict:
     region = None
     harness_before = tamper.harness_digest(watched)  # the region lab runs the candidate's code too
     if sites and speed_measurable(target) and lab_enabled() and baseline.config.mode == "entry":
