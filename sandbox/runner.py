@@ -94,7 +94,7 @@ def run_workload(
             argv = shlex.split(config.command or "")
             if argv and argv[0] in ("python", "python3"):
                 argv[0] = sys.executable  # the interpreter TrainBridge runs under, with the same packages
-        box = child_sandbox(tmp_dir, root=workload.root, backend=target.name)
+        box = child_sandbox(tmp_dir, root=workload.root, backend=target.name, evidence=request_outputs(extra_request))
         base = _base_result(config, target, box, memory_limit_mb)
         started = time.monotonic()
         outcome = _run_child(
@@ -160,6 +160,21 @@ def run_workload_pair(
                 result = script_run.finish(result, setup, outcome.result, workload.config.timeout_s)
             results.append(result)
         return results[0], results[1]
+
+
+OUTPUT_KEYS = ("evidence_dir", "profile_dir")  # request entries naming a folder the child writes its outputs to
+
+
+def request_outputs(extra_request: dict[str, Any] | None) -> list[Path]:
+    """The folders a child's request asks it to write to (the compile reference's evidence, an NPU profile, the
+    numerics probe's gradient file's folder), made now: a confined child may write there (sandbox/confinement.py)."""
+    request = extra_request or {}
+    folders = [Path(request[key]) for key in OUTPUT_KEYS if request.get(key)]
+    grads = (request.get("numerics") or {}).get("grads_path")
+    folders += [Path(grads).parent] if grads else []
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+    return folders
 
 
 def child_env(config, backend: str, extra_env: dict[str, str] | None = None) -> dict[str, str]:
@@ -238,7 +253,8 @@ def _script_child(workload: Workload, target: Backend, mode: str, plan: StepPlan
         plan, setup.request["capture"] = script_run.capture_plan(config.steps, int(setup.request.get("timed_steps", 0)))
     plan = plan or StepPlan.sequential(config.warmup_steps, config.steps)
     base.warmup_steps = len(plan.warmup)
-    box = child_sandbox(tmp_dir, root=workload.root, backend=target.name, evidence=plan.evidence_dirs())
+    box = child_sandbox(tmp_dir, root=workload.root, backend=target.name,
+                        evidence=[*plan.evidence_dirs(), *request_outputs(extra_request)])
     ranks = setup.spec.nproc  # torchrun --nproc_per_node N > 1: the rank supervisor starts N launchers (sandbox/child/rank_group.py)
     module = script_run.RANKS_MODULE if ranks > 1 else script_run.LAUNCHER_MODULE
     spec = ChildSpec(argv=[*box.prefix, sys.executable, "-m", module], request=setup.request, plan=plan,
