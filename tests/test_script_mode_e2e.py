@@ -38,8 +38,10 @@ def launchers_below(pid: int) -> set[int]:
                 continue
             for child in children:
                 todo.append(child)
-                try:
-                    if b"trainbridge.sandbox.script.launcher" in Path(f"/proc/{child}/cmdline").read_bytes():
+                try:  # bubblewrap's own processes (a confined child's outer one and its namespace's init) carry the
+                    # same command line: the launcher is the process below them
+                    if b"trainbridge.sandbox.script.launcher" in Path(f"/proc/{child}/cmdline").read_bytes() \
+                            and Path(f"/proc/{child}/comm").read_text().strip() != "bwrap":
                         found.add(child)
                 except OSError:
                     pass
@@ -63,7 +65,7 @@ def kill_when(args: list[str], cwd: Path, env: dict[str, str], log: Path, ready)
         status = proc.wait()
     for pid in seen:
         try:
-            os.killpg(pid, signal.SIGKILL)
+            os.killpg(os.getpgid(pid), signal.SIGKILL)  # its group: led by bubblewrap's outer process when confined
         except OSError:
             pass
     return status
