@@ -240,7 +240,10 @@ def _script_child(workload: Workload, target: Backend, mode: str, plan: StepPlan
     """How to start one script-mode child (its working directory made in `tmp_dir`), or the failed result that
     stops it before it starts (a missing script, a data entry that is nowhere, a multi-process launch)."""
     config = workload.config
-    base = _base_result(config, target, child_sandbox(tmp_dir, root=workload.root, backend=target.name), memory_limit_mb)
+    # the profile and capture plans made below ask for no evidence files: the plan given is the one that may
+    box = child_sandbox(tmp_dir, root=workload.root, backend=target.name,
+                        evidence=[*(plan.evidence_dirs() if plan else []), *request_outputs(extra_request)])
+    base = _base_result(config, target, box, memory_limit_mb)
     setup = script_run.prepare(workload, backend=target.name, mode=mode, tmp_dir=tmp_dir, extra_request=extra_request)
     if isinstance(setup, Failure):
         base.failure = setup
@@ -253,8 +256,6 @@ def _script_child(workload: Workload, target: Backend, mode: str, plan: StepPlan
         plan, setup.request["capture"] = script_run.capture_plan(config.steps, int(setup.request.get("timed_steps", 0)))
     plan = plan or StepPlan.sequential(config.warmup_steps, config.steps)
     base.warmup_steps = len(plan.warmup)
-    box = child_sandbox(tmp_dir, root=workload.root, backend=target.name,
-                        evidence=[*plan.evidence_dirs(), *request_outputs(extra_request)])
     ranks = setup.spec.nproc  # torchrun --nproc_per_node N > 1: the rank supervisor starts N launchers (sandbox/child/rank_group.py)
     module = script_run.RANKS_MODULE if ranks > 1 else script_run.LAUNCHER_MODULE
     spec = ChildSpec(argv=[*box.prefix, sys.executable, "-m", module], request=setup.request, plan=plan,
