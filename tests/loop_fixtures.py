@@ -6,7 +6,8 @@ hand-written RMSNorm is the target of the test-only recipe `rmsnorm-as-l2-normal
 (tests/fixtures/loop/recipes), whose replacement changes the math and must be rejected with
 numerics_mismatch. With `loop_config`, those two recipes are the only ones tried, so every decision
 in a run is deterministic: one accept (the step about halves, against a 5% `min_gain`), one
-numerics rejection. Eight gate rounds of ten steps: with six, the signed-rank test needs every
+numerics rejection. No closing three-arm comparison (`final_rounds=0`: one plain measurement of the
+final head; tests/test_final_comparison.py covers the comparison). Eight gate rounds of ten steps: with six, the signed-rank test needs every
 round to agree, and one round hit by another process's load on a shared machine flips the verdict.
 """
 
@@ -23,6 +24,9 @@ REPO_FIXTURE = LOOP_FIXTURES / "repo"
 RECIPES_FIXTURE = LOOP_FIXTURES / "recipes"
 GOOD_RECIPE = "gelu-tanh-functional"  # seed recipe: rewrites model.py's gelu
 WRONG_RECIPE = "rmsnorm-as-l2-normalize"  # planted: rewrites RMSNorm.forward into different math
+# What every uninterrupted run of this workload decides, as (category, recipe, accepted, reason) in
+# sorted order (tests/team_support.py's outcome_view): numerics decide the planted recipe, GELU halves the step.
+DECISIONS = sorted([("gelu", GOOD_RECIPE, True, "accepted"), ("rmsnorm", WRONG_RECIPE, False, "numerics_mismatch")])
 USER_NAME, USER_EMAIL = "Loop Tester", "loop-tester@example.com"
 
 
@@ -70,7 +74,7 @@ def loop_config(repo: Path, run_id: str, tmp: Path, **overrides) -> RunConfig:
         repo=str(repo), run_id=run_id, target="cpu", compile_reference=False,
         kb_dir=str(tmp / "kb"), extra_recipe_dir=str(write_wrong_recipe(tmp / "recipes")),
         recipe_ids=[GOOD_RECIPE, WRONG_RECIPE], gate_rounds=8, min_gain=0.05, low_gain_rounds_to_stop=5,
-        max_candidates=10, budget_s=1800,
+        max_candidates=10, budget_s=1800, final_rounds=0,
     )
     settings.update(overrides)
     return RunConfig(**settings)

@@ -6,7 +6,8 @@ the target prints a warning in red; a run past `TRAINBRIDGE_SUITE_LIMIT_S` secon
 The limit is not set by default yet: the suite took 62.8 minutes on this 2-core machine in the stop that added the
 clock (issue 29's cuts are still to come), and a failing limit would stop every landing until they are made; set it
 to 3600 once the suite is under 45 minutes. Only a run of the whole suite is judged: a run given files, folders,
-test ids, -k or -m prints its time and nothing more. `TRAINBRIDGE_SUITE_TARGET_S` plants another target (this file's
+test ids, -k or -m prints its time and nothing more. A whole-suite run also lists its slowest files, so a CI log
+says where the time went (with `--durations`, addopts in pyproject.toml, for the slowest tests). `TRAINBRIDGE_SUITE_TARGET_S` plants another target (this file's
 own test does).
 """
 
@@ -21,6 +22,8 @@ TARGET_S = 45 * 60
 LIMIT_ENV = "TRAINBRIDGE_SUITE_LIMIT_S"
 TARGET_ENV = "TRAINBRIDGE_SUITE_TARGET_S"
 _STARTED = pytest.StashKey[float]()
+SLOWEST_FILES = 15
+_by_file: dict[str, float] = {}  # test file -> seconds of its tests' setup, call and teardown (this process's run)
 
 
 def target_s() -> float:
@@ -44,6 +47,19 @@ def _wall(config: pytest.Config) -> float:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.stash[_STARTED] = time.monotonic()
+    _by_file.clear()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _by_file[path] = _by_file.get(path, 0.0) + report.duration
+
+
+def slowest_files(count: int = SLOWEST_FILES) -> list[str]:
+    """The files that took longest, one line each: minutes, share of the tests' time, path."""
+    total = sum(_by_file.values()) or 1.0
+    ranked = sorted(_by_file.items(), key=lambda item: -item[1])[:count]
+    return [f"{seconds / 60:6.1f} min {100 * seconds / total:5.1f}%  {path}" for path, seconds in ranked]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -59,6 +75,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_line(line + " (a part of the suite)")
         return
     limit = limit_s()
+    terminalreporter.write_line(f"the {min(SLOWEST_FILES, len(_by_file))} slowest test files (setup + call + teardown):")
+    for row in slowest_files():
+        terminalreporter.write_line("  " + row)
     terminalreporter.write_line(f"{line} for the whole suite (target: within {target_s() / 60:g} min on CI's 2 cores"
                                 + (f"; a run past {limit / 60:g} min fails)" if limit is not None else ")"))
     if limit is not None and wall > limit:

@@ -2,7 +2,8 @@
 (the graph's units without sandbox runs: tests/test_loop_graph.py).
 
 - end to end (slow): one uninterrupted run accepts the GELU rewrite with a measured gain and rejects
-  the planted wrong RMSNorm rewrite with numerics_mismatch;
+  the planted wrong RMSNorm rewrite with numerics_mismatch, on a repository with every git hook and
+  hostile git settings, none of which runs or changes anything;
 - crash/resume (slow): the same run in subprocesses killed with SIGKILL at many points (during the
   baseline measurement, right after a candidate commit, during a gate timing child, right after the
   run branch moved, at seeded random moments), resumed each time: same commits and verdicts as the
@@ -145,11 +146,41 @@ def resume_args(run_id: str, kill_after: tuple[str, str] | None = None) -> dict:
 # --------------------------------------------------------------------------------------- end to end
 
 
+# Every client-side hook git knows; each leaves a marker (outside the repository) when it runs.
+HOOKS = ("applypatch-msg", "pre-applypatch", "post-applypatch", "pre-commit", "pre-merge-commit", "prepare-commit-msg",
+         "commit-msg", "post-commit", "pre-rebase", "post-checkout", "post-merge", "pre-push", "pre-auto-gc",
+         "post-rewrite", "post-index-change", "reference-transaction", "push-to-checkout", "fsmonitor-watchman")
+
+
+def install_hostile_config(repo: Path, markers: Path) -> None:
+    """A user's repository as git allows it to be: every hook installed (a failing post-checkout among
+    them), a core.hooksPath with the same hooks, prefix-less and coloured diffs, mandatory signing
+    without a key."""
+    markers.mkdir(parents=True, exist_ok=True)
+    hooks_path = repo.parent / "user-hooks"
+    for folder in (repo / ".git" / "hooks", hooks_path):
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in HOOKS:
+            hook = folder / name
+            status = 1 if name == "post-checkout" else 0
+            hook.write_text(f"#!/bin/sh\necho \"$0 $*\" >> '{markers}/{name}'\nexit {status}\n", encoding="utf-8")
+            hook.chmod(0o755)
+    for key, value in {"core.hooksPath": str(hooks_path), "diff.noprefix": "true", "diff.mnemonicPrefix": "true",
+                       "color.ui": "always", "color.diff": "always", "commit.gpgsign": "true", "tag.gpgSign": "true",
+                       "user.signingkey": "0xDEADBEEFNOSUCHKEY", "gpg.program": str(markers / "no-such-gpg")}.items():
+        git(repo, "config", key, value)
+
+
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
-    """One uninterrupted run of the loop workload (in this process), shared by the slow tests."""
+    """One uninterrupted run of the loop workload (in this process), shared by the slow tests. Its
+    repository is as hostile as git allows (every hook, core.hooksPath, prefix-less coloured diffs,
+    signing without a key: `install_hostile_config`), so the same run shows that none of it changes what
+    the loop does: the crash/resume test's plain repository must end with this run's branch and verdicts."""
     tmp = tmp_path_factory.mktemp("loop-reference")
     repo = make_loop_repo(tmp / "repo")
+    markers = tmp / "markers"
+    install_hostile_config(repo, markers)
     changes = add_user_changes(repo)
     before = user_view(repo)
     config = loop_config(repo, "reference", tmp)
@@ -161,7 +192,8 @@ def reference_run(tmp_path_factory):
         outcome = start_run(config, root=tmp / "home" / "runs")
         wall_s = time.monotonic() - started
     print(f"\nuninterrupted loop run: {wall_s:.1f} s")
-    return SimpleNamespace(tmp=tmp, repo=repo, config=config, outcome=outcome, before=before, changes=changes, wall_s=wall_s)
+    return SimpleNamespace(tmp=tmp, repo=repo, config=config, outcome=outcome, before=before, changes=changes, wall_s=wall_s,
+                           markers=markers)
 
 
 @pytest.mark.slow
@@ -223,56 +255,20 @@ def test_end_to_end_accepts_a_measured_gain_and_rejects_wrong_numerics(reference
     assert "&#x27;" not in markdown and "&amp;" not in html  # verdict messages quote names: escaped once, not twice
 
 
-# Every client-side hook git knows; each leaves a marker (outside the repository) when it runs.
-HOOKS = ("applypatch-msg", "pre-applypatch", "post-applypatch", "pre-commit", "pre-merge-commit", "prepare-commit-msg",
-         "commit-msg", "post-commit", "pre-rebase", "post-checkout", "post-merge", "pre-push", "pre-auto-gc",
-         "post-rewrite", "post-index-change", "reference-transaction", "push-to-checkout", "fsmonitor-watchman")
-
-
-def install_hostile_config(repo: Path, markers: Path) -> None:
-    """A user's repository as git allows it to be: every hook installed (a failing post-checkout among
-    them), a core.hooksPath with the same hooks, prefix-less and coloured diffs, mandatory signing
-    without a key."""
-    markers.mkdir(parents=True, exist_ok=True)
-    hooks_path = repo.parent / "user-hooks"
-    for folder in (repo / ".git" / "hooks", hooks_path):
-        folder.mkdir(parents=True, exist_ok=True)
-        for name in HOOKS:
-            hook = folder / name
-            status = 1 if name == "post-checkout" else 0
-            hook.write_text(f"#!/bin/sh\necho \"$0 $*\" >> '{markers}/{name}'\nexit {status}\n", encoding="utf-8")
-            hook.chmod(0o755)
-    for key, value in {"core.hooksPath": str(hooks_path), "diff.noprefix": "true", "diff.mnemonicPrefix": "true",
-                       "color.ui": "always", "color.diff": "always", "commit.gpgsign": "true", "tag.gpgSign": "true",
-                       "user.signingkey": "0xDEADBEEFNOSUCHKEY", "gpg.program": str(markers / "no-such-gpg")}.items():
-        git(repo, "config", key, value)
-
-
 @pytest.mark.slow
-def test_hooks_and_the_users_git_config_change_nothing(reference_run, tmp_path):
-    """A whole run on a repository with every hook, core.hooksPath, diff.noprefix, color.ui=always and
-    commit.gpgsign=true without a key: no hook runs, the branch and verdicts equal the plain
-    repository's, and the user's checkout (tree, index, refs, config) is byte-identical."""
-    repo = make_loop_repo(tmp_path / "repo")
-    markers = tmp_path / "markers"
-    install_hostile_config(repo, markers)
-    add_user_changes(repo)
-    before = user_view(repo)
-    config = loop_config(repo, "hooked", tmp_path)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRAINBRIDGE_HOME", str(tmp_path / "home"))
-        for name in LLM_ENV:
-            patch.delenv(name, raising=False)
-        outcome = start_run(config, root=tmp_path / "home" / "runs")
-    assert outcome.finished, outcome.state.get("node")
-    assert sorted(p.name for p in markers.iterdir()) == [], "hooks ran: " + ", ".join(p.name for p in markers.iterdir())
-    state, reference = outcome.state, reference_run.outcome.state
-    assert decision_view(state["verdicts"]) == decision_view(reference["verdicts"])
-    strip = lambda commits: [(c["tree"], c["subject"]) for c in commits]  # noqa: E731
-    assert strip(run_commits(repo, state["base_sha"], "trainbridge/hooked")) == \
-        strip(run_commits(reference_run.repo, reference["base_sha"], "trainbridge/reference"))
-    assert user_view(repo) == before
-    assert_clean_repository(repo, "hooked")
+def test_hooks_and_the_users_git_config_change_nothing(reference_run):
+    """The reference run's repository has every hook, core.hooksPath, diff.noprefix, color.ui=always and
+    commit.gpgsign=true without a key: no hook ran, its run branch holds exactly the accepted rewrite
+    (checked in full by test_end_to_end...), and the user's checkout (tree, index, refs, config) is
+    byte-identical."""
+    run = reference_run
+    assert sorted(p.name for p in run.markers.iterdir()) == [], "hooks ran: " + ", ".join(p.name for p in run.markers.iterdir())
+    assert (run.repo / ".git" / "hooks" / "pre-commit").is_file() and git(run.repo, "config", "commit.gpgsign") == "true"
+    state = run.outcome.state
+    assert [c["sha"] for c in run_commits(run.repo, state["base_sha"], "trainbridge/reference")] == \
+        [a["sha"] for a in state["accepted"]] and len(state["accepted"]) == 1
+    assert user_view(run.repo) == run.before
+    assert_clean_repository(run.repo, "reference")
 
 
 @pytest.mark.slow

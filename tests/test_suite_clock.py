@@ -39,6 +39,7 @@ def test_a_whole_suite_within_its_target_prints_its_wall_time(tmp_path):
     done = _suite(tmp_path)
     assert done.returncode == 0, done.stdout
     assert "suite wall time: 0.0 min for the whole suite (target: within 45 min on CI's 2 cores)" in done.stdout
+    assert "the 1 slowest test files (setup + call + teardown):" in done.stdout and "100.0%  checks/test_quick.py" in done.stdout
     assert "PAST" not in done.stdout
 
 

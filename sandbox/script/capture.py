@@ -15,7 +15,7 @@ to the next: sandbox/script/hooks.py). The plan (`capture_plan`, parent side) nu
   backward graphs at the next backward); window `trace_at`: traced by torch.profiler;
 - the `timed` windows after it: the compiled step's speed (`compiled_step_s`).
 
-Inductor's evidence session (debug trace, caches off, kernel -> stack tables, Dynamo's graph breaks
+Inductor's evidence session (debug trace, graph caches off, kernel -> stack tables, Dynamo's graph breaks
 and recompiles) is open from before the script runs to the closing result, so graphs the script
 compiles itself are captured as well as ours.
 """
