@@ -18,6 +18,7 @@ class FailureKind(StrEnum):
     oom = "oom"  # allocation failed under the memory cap, or the process was killed for memory
     nonfinite_loss = "nonfinite_loss"  # a step returned NaN or inf
     crashed = "crashed"  # the child died without a result (signal, interpreter abort)
+    forbidden_call = "forbidden_call"  # killed by the sandbox's system-call filter (sandbox/child/signal_filter.py)
 
 
 class Failure(Record):

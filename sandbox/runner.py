@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainbridge.sandbox import proc_watch
-from trainbridge.sandbox.child import fork_server
+from trainbridge.sandbox.child import fork_server, signal_filter
 from trainbridge.sandbox.script import run as script_run
 from trainbridge.sandbox.backends import Backend, npu_selection
 from trainbridge.sandbox.command_mode import parse_command_output
@@ -312,7 +312,8 @@ def _driven_result(base: RunResult, outcome: DriveOutcome, timeout_s: float, ste
         base.failure = Failure(kind=FailureKind.crashed, message=f"interrupted after {done} of {steps_total} step(s): {outcome.interrupted}",
                                step=done)
     elif outcome.result is None:
-        base.failure = _classify_death(_ChildOutcome(outcome.returncode, False, base.stdout_tail, base.stderr_tail), done)
+        base.failure = _classify_death(_ChildOutcome(outcome.returncode, False, base.stdout_tail, base.stderr_tail,
+                                                     "fork-server" if outcome.forked else "exec"), done)
     return base
 
 
@@ -466,6 +467,9 @@ def _classify_death(outcome: _ChildOutcome, steps_done: int) -> Failure:
     tail = outcome.stderr[-TAIL_CHARS:] or None
     if code is not None and code < 0:
         name = signal.Signals(-code).name
+        if -code == signal_filter.KILLED_BY and outcome.spawn == "fork-server":
+            return Failure(kind=FailureKind.forbidden_call, message=f"killed by the sandbox's system-call filter ({name}) after "
+                           f"{steps_done} step(s): it tried {signal_filter.WHAT_IT_FORBIDS}", traceback_tail=tail, step=steps_done)
         if -code == signal.SIGKILL:
             return Failure(kind=FailureKind.oom, message=f"killed by {name} after {steps_done} step(s) without a result; "
                            "most likely the kernel's out-of-memory killer", traceback_tail=tail, step=steps_done)

@@ -513,7 +513,10 @@ def _failed_side(sides: dict[str, SideRun], where: str) -> tuple[VerdictReason, 
         return VerdictReason.tampered_harness, early[0].message, early
     failure = cand.run.failure
     if failure is not None and not cand.run.interrupted:
-        return FAILURE_REASONS[failure.kind], _failure_message(failure, where), []
+        message = _failure_message(failure, where)
+        if failure.kind == FailureKind.forbidden_call:  # reaching for another process is conduct, named like the other checks'
+            return FAILURE_REASONS[failure.kind], message, [Finding(kind=FindingKind.tampered_resources, message=message)]
+        return FAILURE_REASONS[failure.kind], message, []
     return None
 
 

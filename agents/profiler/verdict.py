@@ -40,6 +40,7 @@ FAILURE_REASONS: dict[FailureKind, VerdictReason] = {
     FailureKind.timeout: VerdictReason.timed_out,
     FailureKind.oom: VerdictReason.out_of_memory,
     FailureKind.nonfinite_loss: VerdictReason.numerics_mismatch,
+    FailureKind.forbidden_call: VerdictReason.tampered_resources,
 }
 
 

@@ -88,6 +88,7 @@ class DriveOutcome:
     returncode: int | None = None
     timed_out: bool = False
     interrupted: str | None = None  # ran beside another child whose fault ended both plans: why
+    forked: bool = False  # forked from a warm server (under its system-call filter, sandbox/child/signal_filter.py)
 
 
 def record_step(out: DriveOutcome, phase: str, elapsed: float, loss: float) -> None:
@@ -160,6 +161,7 @@ class DrivenChild:
             self._close_files()
             self.out.failure = Failure(kind=FailureKind.crashed, message=f"could not start {spec.argv[0]}: {exc}")
             return False
+        self.out.forked = forked is not None
         os.close(child_r)
         os.close(child_w)
         self.channel = Channel(reply_r, cmd_w)

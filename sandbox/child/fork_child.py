@@ -12,7 +12,9 @@ gate (a subreaper), and answers with the child's pid.
 
 The child makes itself what an exec'd harness child would be before it runs any workload code:
 its own session and process group, the memory cap, its own empty /dev/shm where the host allows a
-private mount namespace (a file one child leaves there never reaches another), stdin from
+private mount namespace (a file one child leaves there never reaches another), a seccomp filter that
+refuses stop signals to any process but itself, ptrace and cross-process memory access
+(sandbox/child/signal_filter.py: it is not in a PID namespace of its own), stdin from
 /dev/null, stdout and stderr to the gate's files, the channel at the numbers every child gets
 (1000/1001), every other descriptor closed (the server's socket among them), the workload's
 working directory, environment (replaced as a whole) and `sys.path[0]` (its directory, as
@@ -35,6 +37,8 @@ import signal
 import socket
 import sys
 import traceback
+
+from trainbridge.sandbox.child import signal_filter
 
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "trainbridge.sandbox.harness", "trainbridge.sandbox.child.step_server", "trainbridge.sandbox.child.channel",
            "trainbridge.sandbox.guard", "trainbridge.sandbox.numerics_probe", "trainbridge.sandbox.backends",
@@ -97,6 +101,9 @@ def become_child(request: dict, fds: list[int]) -> None:
             limit = int(limit_mb) * 1024 * 1024
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         private_shm()
+        if not signal_filter.install():
+            print("note: no seccomp signal filter on this host: this forked child could stop or trace other processes "
+                  "(the gate still watches for it)", file=sys.stderr, flush=True)
         command, reply, stdout, stderr = fds
         read_fd, write_fd = (int(n) for n in request["channel"])
         null = os.open(os.devnull, os.O_RDONLY)
