@@ -397,9 +397,14 @@ def gate_summary(verdict: dict[str, Any]) -> dict[str, Any]:
 
 
 def verdict_record(candidate: Candidate, *, accepted: bool, reason: str, message: str, ratio=None, ratio_ci=None) -> dict[str, Any]:
+    """The run's record of one decision; `unconfined` when this machine ran the candidate without the sandbox's
+    confinement (a run allowed to with --unconfined)."""
+    from trainbridge.sandbox.confinement import bubblewrap
+
     return {"intent_id": candidate.intent_id, "category": candidate.category, "recipe_id": candidate.recipe_id,
             "candidate": candidate.name, "files": candidate.files, "diff": candidate.diff, "accepted": accepted,
-            "reason": reason, "message": message, "ratio": ratio, "ratio_ci": list(ratio_ci) if ratio_ci else None}
+            "reason": reason, "message": message, "ratio": ratio, "ratio_ci": list(ratio_ci) if ratio_ci else None,
+            "unconfined": not bubblewrap().usable}
 
 
 def record_outcome(ctx: RunContext, state: RunState, candidate: Candidate, record: dict[str, Any]) -> None:

@@ -69,4 +69,23 @@ def check_run_input(config: RunConfig, env: Mapping[str, str] | None = None) -> 
         LLMConfig.from_env(env if env is not None else os.environ)  # half-set LLM variables fail here, not mid-run
     except LLMConfigError as exc:
         raise RunInputError(str(exc)) from None
-    return list(user.notes)
+    return [*confinement_notes(config), *user.notes]
+
+
+def confinement_notes(config: RunConfig) -> list[str]:
+    """Refuse a run whose candidates this machine cannot confine (sandbox/confinement.py), unless it asked to run them
+    unconfined; the note a run that did so shows."""
+    from trainbridge.sandbox.confinement import bubblewrap
+
+    tool = bubblewrap()
+    if tool.usable:
+        return []
+    if not config.unconfined:
+        raise RunInputError(
+            f"this machine cannot confine the code the gate runs: {tool.reason}. Candidates (recipes from the knowledge base "
+            "and LLM patches alike) are untrusted code: install bubblewrap (apt-get install bubblewrap, dnf install "
+            "bubblewrap) and allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1), then run "
+            "again; or pass --unconfined (TRAINBRIDGE_UNCONFINED=1) to judge them unconfined, which every verdict and the "
+            "report then say")
+    return [f"UNCONFINED: candidates run without the sandbox's confinement ({tool.reason}): a candidate can write "
+            "wherever you can and see every process of yours (--unconfined)"]

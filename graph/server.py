@@ -132,6 +132,13 @@ def served_run(input: Any, config: Any, context: Any, state_run_id: str | None) 
         run_config = RunConfig.model_validate(settings) if settings is not None else None
     except ValidationError as exc:
         raise ServedRunError(f"the run settings in the context are not valid: {exc}") from None
+    if run_config is not None:
+        from trainbridge.graph.preflight import RunInputError, confinement_notes
+
+        try:
+            confinement_notes(run_config)  # the server's machine runs the candidates
+        except RunInputError as exc:
+            raise ServedRunError(str(exc)) from None
     if run_config is not None and run_config.checkpoint:
         raise ServedRunError("a served run's checkpoints are the server's: `langgraph dev` keeps them in its folder, a LangGraph "
                              "Platform deployment in its own Postgres (POSTGRES_URI); leave `checkpoint` out of the run settings")

@@ -63,6 +63,9 @@ class RunConfig(BaseModel):
                                       "recorded for a Postgres run so that another machine resumes in the same worktrees")
     devices: str | None = Field(default=None, description="gate slots: cpu:2, cuda:0,1, npu:0-7 (None: one gate at a time)")
     ray: str | None = Field(default=None, description="run the gates as Ray tasks on this cluster: auto or an address")
+    unconfined: bool = Field(default=False, description="judge candidates even where the sandbox cannot confine them (no "
+                             "bubblewrap, or no user namespaces): without it such a run is refused; with it every gate "
+                             "verdict and the report say the candidates ran unconfined")
 
     def workload(self, root: Path):
         """The workload at `root` (a worktree of the run) as this run runs it."""

@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 from trainbridge.graph.state import RunConfig
+from trainbridge.sandbox.confinement import bubblewrap
 
 LOOP_FIXTURES = Path(__file__).parent / "fixtures" / "loop"
 REPO_FIXTURE = LOOP_FIXTURES / "repo"
@@ -74,7 +75,7 @@ def loop_config(repo: Path, run_id: str, tmp: Path, **overrides) -> RunConfig:
         repo=str(repo), run_id=run_id, target="cpu", compile_reference=False,
         kb_dir=str(tmp / "kb"), extra_recipe_dir=str(write_wrong_recipe(tmp / "recipes")),
         recipe_ids=[GOOD_RECIPE, WRONG_RECIPE], gate_rounds=8, min_gain=0.05, low_gain_rounds_to_stop=5,
-        max_candidates=10, budget_s=1800, final_rounds=0,
+        max_candidates=10, budget_s=1800, final_rounds=0, unconfined=not bubblewrap().usable,
     )
     settings.update(overrides)
     return RunConfig(**settings)

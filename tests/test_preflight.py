@@ -78,3 +78,42 @@ def test_half_set_llm_settings_are_refused_before_the_run(tmp_path):
     with pytest.raises(RunInputError, match="TRAINBRIDGE_LLM_MODEL"):
         check_run_input(RunConfig(repo=str(repo), run_id="r"), env={"TRAINBRIDGE_LLM_BASE_URL": "http://127.0.0.1:9/v1"})
     assert check_run_input(RunConfig(repo=str(repo), run_id="r"), env={}) == []
+
+
+def test_a_machine_that_cannot_confine_refuses_the_run_unless_it_is_asked_to_run_unconfined(tmp_path, monkeypatch):
+    """Issue 24, item 2: candidates are untrusted; where bubblewrap cannot confine them (here: TRAINBRIDGE_CONFINE=0,
+    the same answer as a host without it) the run is refused with what to install, before anything of it exists;
+    --unconfined (or TRAINBRIDGE_UNCONFINED=1) runs it and says so."""
+    from trainbridge.sandbox import confinement
+
+    repo = _repo(tmp_path)
+    monkeypatch.setenv(confinement.CONFINE_ENV, "0")
+    confinement.bubblewrap.cache_clear()
+    try:
+        with pytest.raises(RunInputError, match=r"cannot confine the code the gate runs: .*apt-get install bubblewrap.*--unconfined"):
+            check_run_input(RunConfig(repo=str(repo), run_id="refused"))
+        notes = check_run_input(RunConfig(repo=str(repo), run_id="allowed", unconfined=True))
+        assert notes and notes[0].startswith("UNCONFINED: candidates run without the sandbox's confinement")
+        from trainbridge.agents.coder.candidate import Candidate
+        from trainbridge.graph.nodes import verdict_record
+
+        candidate = Candidate(intent_id="i", category="gelu", recipe_id="r", name="c", files=["m.py"], diff="", branch="b",
+                              sha="1" * 40, base_sha="0" * 40, worktree=str(repo))
+        assert verdict_record(candidate, accepted=False, reason="slower", message="m")["unconfined"] is True
+    finally:
+        monkeypatch.delenv(confinement.CONFINE_ENV)
+        confinement.bubblewrap.cache_clear()
+    if confinement.bubblewrap().usable:
+        assert check_run_input(RunConfig(repo=str(repo), run_id="confined")) == []
+        assert verdict_record(candidate, accepted=False, reason="slower", message="m")["unconfined"] is False
+
+    env = {"TRAINBRIDGE_CONFINE": "0"}
+    refused = _cli_env(tmp_path, env, "run", str(repo), "--run-id", "refused")
+    assert refused.returncode == 2 and "cannot confine the code the gate runs" in refused.stderr, refused.stderr
+    assert not (tmp_path / "tb" / "runs").exists()
+    assert "--unconfined" in _cli_env(tmp_path, env, "run", "--help").stdout
+
+
+def _cli_env(home: Path, extra: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "TRAINBRIDGE_HOME": str(home / "tb"), "COLUMNS": "250", **extra}
+    return subprocess.run([sys.executable, "-m", "trainbridge", *args], capture_output=True, text=True, env=env, timeout=300)

@@ -54,6 +54,16 @@ def test_report_states_baseline_product_compile_reference_and_loop_cost(tmp_path
     assert "| analyst | 1 | 50.0 s | static 0.1 s, profile 3.9 s, reference 45.0 s |" in markdown
     assert "Candidates tried per accepted commit: 1.5." in markdown
     assert all(p.is_file() for p in paths)
+    assert "UNCONFINED" not in markdown
+
+
+def test_a_run_that_judged_candidates_unconfined_says_so_in_its_headline(tmp_path):
+    state = _state()
+    state["verdicts"] = [{**v, "unconfined": True} for v in state["verdicts"]]
+    write_report(state, SimpleNamespace(run_id="r", repo="/repo", target="cpu"), tmp_path, final_step_s=0.110,
+                 stop_reason="no intents left", emulated_npu=False, kb_stats=None)
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert f"- sandbox: UNCONFINED (--unconfined): {len(state['verdicts'])} candidate(s) ran without the sandbox's confinement" in markdown
 
 
 def test_report_headline_is_the_interleaved_final_comparison(tmp_path):

@@ -147,6 +147,9 @@ def _markdown(state, config, final, stop_reason, emulated_npu, kb_stats, charts)
         f"- run branch: `{state.get('run_branch')}` — one commit per accepted rewrite",
         f"- target: `{config.target}`" + (f" — {UNMEASURED}: numerics verified on the CPU emulation; candidates wait on "
                                             f"`{state.get('run_branch')}.pending-npu` for `trainbridge verify` on an NPU host" if emulated_npu else ""),
+        *([f"- sandbox: UNCONFINED (--unconfined): {sum(1 for v in verdicts if v.get('unconfined'))} candidate(s) ran without "
+           "the sandbox's confinement: they could write wherever the run could and see its processes"]
+          if any(v.get("unconfined") for v in verdicts) else []),
         f"- baseline step: {_ms(baseline)} (the unmodified program, measured when the run started)",
         f"- stopped because: {stop_reason}",
         f"- candidates tried: {state.get('candidates_tried') or 0}, accepted: {len(accepted)}",

@@ -66,6 +66,7 @@ def run(
     server: Optional[str] = typer.Option(None, "--server", help="Submit the run to the LangGraph server at this URL (`trainbridge serve`) instead of running it here; REPO and the other paths are read on the server's machine. Ctrl-C detaches, the run goes on."),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="Keep the run's checkpoints in this Postgres database (postgresql://user@host:5432/db; the password in PGPASSWORD or ~/.pgpass) instead of the SQLite file in the run's folder: any machine that reaches the database and the repository can then show, review, resume and report it. Default: TRAINBRIDGE_CHECKPOINT."),
     devices: Optional[str] = typer.Option(None, "--devices", help="Judge up to this many candidates at once, each gate on a slot of its own: cpu:2 (two slots of pinned cores), cuda:0,1, npu:0-7. The run branch still moves one verified commit at a time."),
+    unconfined: bool = typer.Option(False, "--unconfined", envvar="TRAINBRIDGE_UNCONFINED", help="Judge candidates even where this machine cannot confine them (no bubblewrap or no user namespaces; without this such a run is refused): they can then write wherever you can and see your processes. Every verdict and the report say so."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Run the gates as Ray tasks on this cluster (auto, or its address), each asking for one device; pip install 'trainbridge[team]'."),
     launch: Optional[list[str]] = typer.Argument(None, metavar="[-- LAUNCH...]", help="Script mode: the command the repository trains with, after `--` (e.g. `-- python train.py --batch_size=4`); replaces trainbridge.toml's launch/entry/command for this run (a trainbridge.toml, when committed, still gives steps, data and overrides)."),
 ) -> None:
@@ -95,7 +96,8 @@ def run(
                            review=review, reference_pack=str(reference.resolve()) if reference else None,
                            compile_reference=not no_reference, kb_url=kb_url, kb_dir=str(kb_dir) if kb_dir else None,
                            min_gain=min_gain, gate_rounds=rounds, final_rounds=final_rounds, categories=category or None,
-                           launch=line, checkpoint=_checkpoint_url(checkpoint), devices=devices, ray=ray)
+                           launch=line, checkpoint=_checkpoint_url(checkpoint), devices=devices, ray=ray,
+                           unconfined=unconfined)
     except ValidationError as exc:
         _error(config_errors(exc, RUN_OPTIONS))
         raise typer.Exit(2) from None
@@ -108,7 +110,8 @@ def run(
     from trainbridge.graph.preflight import RunInputError, check_run_input
 
     try:  # before anything of the run exists: a bad repository leaves no run record behind
-        check_run_input(config)
+        for note in check_run_input(config):
+            _say(note)
     except RunInputError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
