@@ -34,11 +34,23 @@ class Stop:
 NO_INTENTS = Stop(StopReason.no_intents, "no intents left")
 
 
+def closing_comparison_runs(config) -> bool:
+    """Whether the report node will measure anything: not for an NPU target on the emulation, whose candidates wait
+    on the pending branch with their speed unmeasured (none is accepted here, so nothing is compared)."""
+    if config.target != "npu":
+        return True
+    from trainbridge.sandbox.backends import npu_emulated
+
+    return not npu_emulated()
+
+
 def final_comparison_s(state: dict[str, Any], config, typical_gate_s: float) -> float:
     """What the closing comparison will take: a fresh child per arm and round, each as long as the
     run's own baseline measurement (the prepare node's, one such child), plus the compiled arm's
     compile once (the analyst's torch.compile reference took that long); never less than the same
-    children counted against a typical gate's."""
+    children counted against a typical gate's. Nothing where it will not run (`closing_comparison_runs`)."""
+    if not closing_comparison_runs(config):
+        return 0.0
     arms = 3 if config.compile_reference else 2
     times = state.get("phase_times") or []
     child = max((t.get("parts", {}).get("baseline", 0.0) for t in times if t["node"] == "prepare"), default=0.0)

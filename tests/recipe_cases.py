@@ -115,6 +115,8 @@ CASES: list[Case] = [
     Case("rmsnorm-normalize-npu-rms-norm", "real_hf", "npu", "rmsnorm", nth=1),
     Case("cross-entropy-library-npu", "real_speedrun", "npu", "cross_entropy", scan_target="npu"),  # soft-capped fp32
     Case("cross-entropy-library-npu", "real_hf", "npu", "cross_entropy", scan_target="npu"),  # loss() method
+    Case("cross-entropy-library-npu", "variant_polar", "npu", function="run.py:loss_fn"),  # -100 padded targets
+    Case("cross-entropy-library-npu", "variant_qknorm", "npu", "cross_entropy", scan_target="npu"),  # ignore_index=-1
     Case("rope-npu-rotary-mul", "real_hf", "npu", "rope"),
     Case("host-sync-inline-log-every", "real_package", "cpu", "host_sync"),
     Case("attention-sdpa-additive-mask", "real_hf", "cpu", "attention"),  # eager method, program's mask helper

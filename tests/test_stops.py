@@ -51,3 +51,20 @@ def test_the_closing_comparison_is_reserved_from_the_runs_own_children_and_compi
     state = {"started_at": time.time() - 620, "phase_times": [*times, {"node": "profiler", "wall_s": 60.0, "parts": {}}]}
     assert limit_reached(state, _config(budget_s=780, final_rounds=6, gate_rounds=8, compile_reference=True)).reason \
         is StopReason.budget_short
+
+
+def test_an_npu_target_on_the_emulation_holds_nothing_back_for_a_closing_comparison(monkeypatch):
+    """Issue 25: its candidates wait, speed unmeasured, on the pending branch; the report compares nothing, so a
+    30-minute run that stopped at 16 minutes to keep 13 for that comparison now spends them on candidates."""
+    from trainbridge.graph import stops
+    from trainbridge.sandbox import backends
+
+    times = [{"node": "prepare", "wall_s": 3.9, "parts": {"baseline": 3.8}},
+             {"node": "analyst", "wall_s": 70.9, "parts": {"reference": 64.8}}]
+    npu = _config(target="npu", final_rounds=6, gate_rounds=8, compile_reference=True)
+    monkeypatch.setattr(backends, "npu_emulated", lambda: True)
+    assert stops.final_comparison_s({"phase_times": times}, npu, typical_gate_s=40.0) == 0.0
+    state = {"started_at": time.time() - 620, "phase_times": [*times, {"node": "profiler", "wall_s": 60.0, "parts": {}}]}
+    assert stops.limit_reached(state, _config(target="npu", budget_s=780, final_rounds=6, gate_rounds=8)) is None
+    monkeypatch.setattr(backends, "npu_emulated", lambda: False)  # a real NPU: the comparison runs and is reserved
+    assert stops.final_comparison_s({"phase_times": times}, npu, typical_gate_s=40.0) == 3 * 6 * 3.8 + 64.8
