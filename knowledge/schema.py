@@ -255,6 +255,9 @@ class Recipe(_Model):
     keywords: list[str] = Field(
         default_factory=list, description="op / kernel names of the regions this rewrites (used for retrieval)"
     )
+    requires: list[Literal["torchair"]] = Field(
+        default_factory=list, description="what the host must have for the rewrite to run at all (torchair: torch_npu's "
+        "TorchAir compiler, on a real NPU host): a run on a host without it does not try the recipe")
     provenance: Provenance
     stats: RecipeStats = Field(default_factory=RecipeStats)
 

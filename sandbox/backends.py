@@ -154,6 +154,19 @@ def availability(name: str, *, python: str | None = None, env: Mapping[str, str]
     return npu_availability(python or sys.executable, env=npu_check_env() if env is None else env)
 
 
+def host_capabilities(target: str) -> frozenset[str]:
+    """What recipes may require (knowledge/schema.py, `Recipe.requires`) that this host has for `target`: "torchair"
+    on a real NPU host whose torch_npu has TorchAir (never on the emulation)."""
+    if target != "npu" or npu_emulated():
+        return frozenset()
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch_npu")
+    torch_npu_dir = Path(spec.origin).parent if spec is not None and spec.origin else None
+    found = importlib.util.find_spec("torchair") is not None or (torch_npu_dir is not None and (torch_npu_dir / "dynamo" / "torchair").is_dir())
+    return frozenset({"torchair"} if found else ())
+
+
 def npu_emulated() -> bool:
     """No usable NPU here: the sandbox gives `npu` children the torch_npu emulation (the device maps to
     the CPU), so their numerics are real but their times are never NPU speed."""

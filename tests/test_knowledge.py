@@ -263,3 +263,28 @@ def test_intent_coverage_names_the_intents_left_that_have_a_recipe(kb):
     assert done.every_intent_with_a_recipe and done.as_record()["every_intent_with_a_recipe"] is True
     assert "reached every intent with a recipe (2 worked; 1 found without one)" in done.line()
     assert intent_coverage(intents, done={rms.id}, kb=kb, target="cpu", allowed=["rmsnorm-f-rms-norm"]).every_intent_with_a_recipe
+
+
+def test_a_recipe_that_needs_torchair_is_not_tried_on_a_host_without_it(tmp_path, monkeypatch):
+    """Issue 25, item 2: the TorchAir recipes (`requires: [torchair]`) crashed every gate on the emulation (4 of a
+    ported speedrun's 13 candidates); retrieval leaves them out there and offers them where TorchAir is."""
+    from trainbridge.agents.retrieval import choose
+
+    needing = sorted(r.id for r in load_recipe_dir(SEED_DIR) if r.requires)
+    assert needing == ["compile-regional-npu", "optimizer-loop-compile-npu"]
+    with KnowledgeBase(tmp_path / "kb", seed_dir=SEED_DIR) as base:
+        step = intent("optimizer_step", ADAMW_EVIDENCE)
+        monkeypatch.setattr(choose, "host_capabilities", lambda target: frozenset())  # the emulation's answer
+        here = choose.own_recipes(base, step, "npu", None)
+        monkeypatch.setattr(choose, "host_capabilities", lambda target: frozenset({"torchair"}))
+        there = choose.own_recipes(base, step, "npu", None)
+    assert "optimizer-loop-compile-npu" not in here and "adamw-npu-fused" in here
+    assert set(there) - set(here) == {"optimizer-loop-compile-npu"}
+
+
+def test_the_emulated_npu_has_no_torchair():
+    from trainbridge.sandbox.backends import host_capabilities, npu_emulated
+
+    assert host_capabilities("cpu") == frozenset()
+    if npu_emulated():
+        assert host_capabilities("npu") == frozenset()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trainbridge.agents.retrieval.rank import rank_recipes
+from trainbridge.sandbox.backends import host_capabilities
 from trainbridge.records import Intent
 
 if TYPE_CHECKING:
@@ -54,9 +55,12 @@ def choose_intent(intents: Iterable[dict[str, Any]], *, done: Collection[str], k
 
 
 def own_recipes(kb: KnowledgeBase, intent: Intent, target: str, allowed: Collection[str] | None) -> list[str]:
-    """The ids of the recipes of the intent's own category for `target`, best first (`allowed` only)."""
+    """The ids of the recipes of the intent's own category for `target`, best first (`allowed` only), leaving out
+    those that need what this host does not have (`Recipe.requires`: every gate of theirs would crash)."""
     ranked = rank_recipes(kb, intent, target, n=RANKED)
-    return _allowed(allowed, [r.recipe.id for r in ranked if str(r.recipe.category) == str(intent.category)])
+    has = host_capabilities(target) if any(r.recipe.requires for r in ranked) else frozenset()
+    return _allowed(allowed, [r.recipe.id for r in ranked
+                              if str(r.recipe.category) == str(intent.category) and set(r.recipe.requires) <= has])
 
 
 def _allowed(allowed: Collection[str] | None, recipe_ids: list[str]) -> list[str]:
