@@ -1,4 +1,4 @@
-"""`kill` (SIGTERM) of a TrainBridge command ends its sandbox children too.
+"""`kill` (SIGTERM) or Ctrl-C of a TrainBridge command ends its sandbox children too.
 
 Every sandbox child runs in a session of its own (so a timeout kills its whole tree), which also
 puts it out of reach of a signal sent to TrainBridge's own process group. By default SIGTERM ends
@@ -14,6 +14,10 @@ to init. `run_terminable(app)`:
 3. and ends the process with status 143 (128 + SIGTERM) without waiting for other threads, which
    could otherwise record a verdict on a child that step 2 killed. The run's state is what its last
    checkpoint holds, as after `kill -9`: `trainbridge resume` continues it.
+
+Ctrl-C (SIGINT) is the same with KeyboardInterrupt, status 130, and a line saying so at once: the first one
+unwinds the command (which prints its resume line), every later SIGINT or SIGTERM is ignored until the cleanup
+is done (a second Ctrl-C half a second later used to cut the cleanup short and orphan the user's script).
 """
 
 from __future__ import annotations
@@ -31,25 +35,51 @@ class Terminated(BaseException):
     """SIGTERM reached the process (BaseException: `except Exception` in user-facing code must not swallow it)."""
 
 
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+_interrupted: list[int] = []  # the SIGINT that reached the process, once it has
+
+
 def _raise_terminated(signum, frame) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the cleanup
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise Terminated()
 
 
+def _raise_interrupted(signum, frame) -> None:
+    """Ctrl-C: KeyboardInterrupt as Python's own handler raises it, once. People press Ctrl-C twice: the second
+    used to land in the cleanup's `finally` and leave the user's script running under init."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _interrupted.append(signum)
+    print("trainbridge: interrupted (Ctrl-C): ending its sandbox processes; further Ctrl-C are ignored until that is done",
+          file=sys.stderr, flush=True)
+    raise KeyboardInterrupt()
+
+
 def run_terminable(app: Callable[[], object]) -> None:
-    """Run the command line `app` with SIGTERM handled as the module doc says."""
+    """Run the command line `app` with SIGTERM and SIGINT handled as the module doc says."""
     signal.signal(signal.SIGTERM, _raise_terminated)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when the caller ignores Ctrl-C
+        signal.signal(signal.SIGINT, _raise_interrupted)
     try:
         app()
     except Terminated:
-        kill_descendants()
-        print("trainbridge: terminated (SIGTERM); its sandbox processes were ended", file=sys.stderr)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(EXIT_TERMINATED)
+        _end("terminated (SIGTERM); its sandbox processes were ended", EXIT_TERMINATED)
+    except (KeyboardInterrupt, SystemExit):
+        if not _interrupted:
+            raise
+        _end("interrupted (Ctrl-C); its sandbox processes were ended", EXIT_INTERRUPTED)
+
+
+def _end(what: str, status: int) -> None:
+    kill_descendants()
+    print(f"trainbridge: {what}", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def _stats() -> dict[int, tuple[int, int, str]]:

@@ -1,5 +1,5 @@
-"""`kill` (SIGTERM) of a `trainbridge measure` mid-step ends its sandbox child and everything in the child's session:
-nothing of the sandbox is left running, reparented to init."""
+"""`kill` (SIGTERM) or Ctrl-C (SIGINT, pressed twice as people do) of a `trainbridge measure` mid-step ends its
+sandbox child and everything in the child's session: nothing of the sandbox is left running, reparented to init."""
 
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ def _session(sid: int) -> list[int]:
     return [member for member, _, session, state in _stat_rows() if session == sid and state != "Z"]
 
 
-def test_sigterm_of_measure_mid_step_leaves_no_sandbox_process(tmp_path):
+def _measure_mid_step(tmp_path: Path, send, expect_status: int, expect_line: str) -> None:
+    """`trainbridge measure` of a long script; once its sandbox child steps, `send(pid)`; then nothing of the sandbox
+    may be left, and the command ends with `expect_status`, saying `expect_line`."""
     repo = script_repo(tmp_path / "repo", "accumulate.py", LONG)
     cli = subprocess.Popen([sys.executable, "-m", "trainbridge", "measure", str(repo)], stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, start_new_session=True)
@@ -49,13 +51,14 @@ def test_sigterm_of_measure_mid_step_leaves_no_sandbox_process(tmp_path):
         assert sandbox, f"the sandbox child never started: {cli.stderr.read().decode()[-2000:] if cli.poll() is not None else ''}"
         time.sleep(4.0)  # into its steps (torch imported, the script stepping)
         assert cli.poll() is None, cli.stderr.read().decode()[-2000:]
-        os.kill(cli.pid, signal.SIGTERM)
+        send(cli.pid)
         cli.wait(timeout=60)
         time.sleep(1.0)
         survivors = [pid for child in sandbox for pid in _session(child)]
-        assert survivors == [], f"left running after SIGTERM: {survivors}"
-        assert cli.returncode == 143, cli.stderr.read().decode()[-2000:]  # 128 + SIGTERM: a terminated measurement
-        assert "terminated (SIGTERM)" in cli.stderr.read().decode()
+        assert survivors == [], f"left running: {survivors}"
+        stderr = cli.stderr.read().decode()
+        assert cli.returncode == expect_status, stderr[-2000:]
+        assert expect_line in stderr, stderr[-2000:]
     finally:
         if cli.poll() is None:
             os.killpg(cli.pid, signal.SIGKILL)
@@ -64,6 +67,20 @@ def test_sigterm_of_measure_mid_step_leaves_no_sandbox_process(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_sigterm_of_measure_mid_step_leaves_no_sandbox_process(tmp_path):
+    _measure_mid_step(tmp_path, lambda pid: os.kill(pid, signal.SIGTERM), 143, "terminated (SIGTERM)")  # 128 + SIGTERM
+
+
+def test_two_ctrl_c_half_a_second_apart_leave_no_sandbox_process(tmp_path):
+    """Issue 27: the second Ctrl-C used to land in the cleanup and leave the user's script running under init."""
+    def twice(pid: int) -> None:
+        os.kill(pid, signal.SIGINT)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGINT)
+
+    _measure_mid_step(tmp_path, twice, 130, "interrupted (Ctrl-C); its sandbox processes were ended")
 
 
 def test_what_is_left_below_the_process_is_found_and_killed_across_sessions():

@@ -124,6 +124,9 @@ def run(
     except _stopping_errors() as exc:
         _error(f"run {name} stopped: {exc}\n(fix the cause, then: trainbridge resume {name})")
         raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        _error(f"run {name} interrupted; its last checkpoint is kept: continue it with `trainbridge resume {name}`")
+        raise
     _report_outcome(outcome)
 
 
@@ -151,6 +154,9 @@ def resume(run_id: str = typer.Argument(..., callback=valid_run_id, help="The ru
     except _stopping_errors() as exc:
         _error(f"run {run_id} stopped: {exc}")
         raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        _error(f"run {run_id} interrupted; its last checkpoint is kept: continue it with `trainbridge resume {run_id}`")
+        raise
     _report_outcome(outcome)
 
 
