@@ -124,7 +124,35 @@ def run_status(run_id: str, root: Path | None = None, checkpoint: str | None = N
         "next": list(snapshot.next),
         "finished": bool(snapshot.values) and not snapshot.next,
         "waiting_for_review": interrupts[0] if interrupts else None,
+        "running_pid": lock_holder(paths),
+        "failure": last_failure(paths),
     }
+
+
+FAILURE_FILE = "failure.json"
+
+
+def lock_holder(paths: RunPaths) -> int | None:
+    """The pid of the process on this machine that runs the run now (it holds run.lock), else None. Read from
+    /proc/locks, without taking the lock (a status must never make a starting run read 'already running')."""
+    try:
+        inode = (paths.dir / "run.lock").stat().st_ino
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode) and fields[4].isdigit():
+            return int(fields[4])
+    return None
+
+
+def last_failure(paths: RunPaths) -> dict[str, Any] | None:
+    """What stopped the run's last attempt with an error ({"error", "type", "node"}), None when it did not."""
+    try:
+        return json.loads((paths.dir / FAILURE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 @contextmanager
@@ -163,13 +191,30 @@ def _invoke(config: RunConfig, paths: RunPaths, payload: Any, say: Callable[[str
             swept = sweep_stale()
             if swept:
                 say(f"removed {len(swept)} scratch folder(s) left by killed TrainBridge processes")
-            result = graph.invoke(payload, _thread(config.run_id), context=context)
+            (paths.dir / FAILURE_FILE).unlink(missing_ok=True)
+            try:
+                result = graph.invoke(payload, _thread(config.run_id), context=context)
+            except Exception as exc:
+                _record_failure(paths, graph, config.run_id, exc)
+                raise
             snapshot = graph.get_state(_thread(config.run_id))
     except CheckpointError as exc:
         raise RunError(str(exc)) from None
     interrupts = result.get("__interrupt__") if isinstance(result, dict) else None
     waiting = interrupts[0].value if interrupts else None
     return RunOutcome(config.run_id, finished=not snapshot.next, waiting_for_review=waiting, state=dict(snapshot.values))
+
+
+def _record_failure(paths: RunPaths, graph, run_id: str, exc: Exception) -> None:
+    """Leave what stopped the run for `status` (an interrupt or SIGTERM is not a failure: the run is just stopped)."""
+    try:
+        node = list(graph.get_state(_thread(run_id)).next)
+    except Exception:  # noqa: BLE001 - the failure itself is what matters
+        node = []
+    record = {"error": str(exc)[:4000], "type": type(exc).__name__, "node": node}
+    tmp = paths.dir / (FAILURE_FILE + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2), encoding="utf-8")
+    tmp.replace(paths.dir / FAILURE_FILE)
 
 
 def summary_line(state: dict[str, Any]) -> str:

@@ -104,7 +104,7 @@ def test_killed_run_resumes_from_another_home_through_postgres(postgres, tmp_pat
     shown = subprocess.run([*cli_argv(), "status", "pg-crash", "--checkpoint", postgres], env=child_env(home_b),
                            capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr
-    assert "run pg-crash: next:" in shown.stdout and "baseline step" in shown.stdout, shown.stdout
+    assert "run pg-crash: stopped; next:" in shown.stdout and "baseline step" in shown.stdout, shown.stdout
     assert not (home_b / "runs" / "pg-crash" / "run.json").exists()  # read from the database, not from files
 
     second = LoopProcess({"action": "resume", "run_id": "pg-crash", "checkpoint": postgres}, home_b, tmp_path / "second.log")

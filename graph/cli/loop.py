@@ -130,6 +130,24 @@ def run(
     _report_outcome(outcome)
 
 
+def run_condition(info: dict, run_id: str) -> str:
+    """Running (its pid), waiting for review, finished, failed (the cause) or stopped (where), in words."""
+    resume = f"`trainbridge resume {run_id}`"
+    if info.get("running_pid"):
+        return f"running (pid {info['running_pid']}); next: {', '.join(info['next']) or '-'}"
+    if info["waiting_for_review"]:
+        return "waiting for review"
+    if info["finished"]:
+        return "finished"
+    failure = info.get("failure")
+    if failure:
+        return (f"failed at {', '.join(failure.get('node') or info['next']) or 'its start'} ({failure.get('type')}: "
+                f"{failure.get('error')}); fix the cause, then {resume}")
+    if not info["state"]:
+        return f"stopped before its first step; continue with {resume}"
+    return f"stopped; next: {', '.join(info['next'])}; continue with {resume}"
+
+
 def _stopping_errors() -> tuple[type[BaseException], ...]:
     """Errors that stop a run with a message the user can act on (no traceback)."""
     from trainbridge.agents.analyst.analyze import AnalysisError
@@ -180,8 +198,7 @@ def status(run_id: Optional[str] = typer.Argument(None, callback=valid_run_id, h
         for name in runs:
             try:
                 info = served_run_status(name, url) or run_status(name, checkpoint=url)
-                state = "waiting for review" if info["waiting_for_review"] else ("finished" if info["finished"] else "stopped/running")
-                print(f"{name}: {state}; {summary_line(info['state'])}")
+                print(f"{name}: {run_condition(info, name)}; {summary_line(info['state'])}")
             except Exception as exc:  # one broken run must not hide the others
                 print(f"{name}: unreadable ({exc})")
         if not runs:
@@ -194,7 +211,7 @@ def status(run_id: Optional[str] = typer.Argument(None, callback=valid_run_id, h
     speedup = 1.0
     for record in accepted:
         speedup /= record.get("ratio") or 1.0
-    print(f"run {run_id}: {'waiting for review' if info['waiting_for_review'] else ('finished' if info['finished'] else 'next: ' + ', '.join(info['next']))}")
+    print(f"run {run_id}: {run_condition(info, run_id)}")
     if info.get("server"):
         print(f"served by the LangGraph server at {info['server']} (thread {info['thread_id']})")
     print(summary_line(state))
