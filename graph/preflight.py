@@ -69,7 +69,18 @@ def check_run_input(config: RunConfig, env: Mapping[str, str] | None = None) -> 
         LLMConfig.from_env(env if env is not None else os.environ)  # half-set LLM variables fail here, not mid-run
     except LLMConfigError as exc:
         raise RunInputError(str(exc)) from None
-    return [*confinement_notes(config), *user.notes]
+    return [*confinement_notes(config), *user.notes, *rounds_notes(config)]
+
+
+def rounds_notes(config: RunConfig) -> list[str]:
+    """A gate that can look at no more than 5 rounds can call nothing faster: its exact signed-rank test's smallest
+    p-value over n rounds is 2**-n, above the one-sided 2.5% from n <= 5 on (numerics still decide)."""
+    from trainbridge.agents.profiler.sequential import FIRST_LOOK
+
+    if config.gate_rounds_limit >= FIRST_LOOK:
+        return []
+    return [f"--rounds {config.gate_rounds} lets the gate look at {config.gate_rounds_limit} rounds at most: too few for it to "
+            f"call any candidate faster (it needs {FIRST_LOOK}); this run can reject candidates but never accept one"]
 
 
 def confinement_notes(config: RunConfig) -> list[str]:

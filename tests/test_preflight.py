@@ -117,3 +117,11 @@ def test_a_machine_that_cannot_confine_refuses_the_run_unless_it_is_asked_to_run
 def _cli_env(home: Path, extra: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "TRAINBRIDGE_HOME": str(home / "tb"), "COLUMNS": "250", **extra}
     return subprocess.run([sys.executable, "-m", "trainbridge", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_too_few_rounds_to_accept_anything_are_said_before_the_run(tmp_path):
+    """Issue 27: `--rounds 2` was accepted without a word, though such a run can never accept a candidate."""
+    repo = _repo(tmp_path)
+    notes = check_run_input(RunConfig(repo=str(repo), run_id="short", gate_rounds=2, unconfined=True))
+    assert any(n.startswith("--rounds 2 lets the gate look at 4 rounds at most") and "never accept one" in n for n in notes), notes
+    assert not any("--rounds" in n for n in check_run_input(RunConfig(repo=str(repo), run_id="ok", gate_rounds=3, unconfined=True)))
