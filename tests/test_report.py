@@ -93,6 +93,25 @@ def test_report_headline_is_the_interleaved_final_comparison(tmp_path):
     assert "measured once while the analyst compiled it" not in markdown  # the interleaved figure replaces it
 
 
+def test_a_closing_comparison_of_two_rounds_is_no_headline_and_no_interval(tmp_path):
+    """Issue 27: "1.99x faster (95% CI 0.390-0.646)" in bold came from 2 rounds, where the gate's own figure was 1.13x."""
+    comparison = {
+        "rounds": 2, "confidence": 0.95, "median_step_s": {"original": 0.120, "final": 0.060, "original_compiled": 0.095},
+        "final_vs_original": {"ratio": 0.502, "ci_low": 0.390, "ci_high": 0.646},
+        "final_vs_compiled": {"ratio": 0.63, "ci_low": 0.5, "ci_high": 0.7},
+        "compiled_vs_original": {"ratio": 0.79, "ci_low": 0.77, "ci_high": 0.81},
+        "failures": {},
+    }
+    write_report(_state(), SimpleNamespace(run_id="r", repo="/repo", target="cpu"), tmp_path, final_step_s=None,
+                 stop_reason="no intents left", emulated_npu=False, kb_stats=None, final_comparison=comparison)
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
+    result = markdown.split("## Result", 1)[1].split("##", 1)[0]
+    assert result.strip().startswith("Gate-measured step-time ratios"), result
+    assert "over only 2 interleaved round(s): step-time ratio 0.502" in result and "indicative only" in result
+    indicative = next(line for line in result.splitlines() if "interleaved round(s)" in line)
+    assert "**" not in indicative and "95% CI 0.390" not in result and "1.99x" not in result
+
+
 class _Page(HTMLParser):
     """What a browser would show: the text, and the tables, headers and images of the page."""
 

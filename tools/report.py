@@ -76,12 +76,30 @@ def _ci(figure: dict[str, float]) -> str:
     return f"{figure['ratio']:.3f} (95% CI {figure['ci_low']:.3f}–{figure['ci_high']:.3f})"
 
 
+MIN_RESULT_ROUNDS = 6  # fewer interleaved rounds give no interval worth the name (the gate's first look is 6 too)
+
+
+def _few_rounds(comparison: dict[str, Any] | None) -> bool:
+    return bool(comparison) and (comparison.get("rounds") or 0) < MIN_RESULT_ROUNDS
+
+
 def _comparison_lines(comparison: dict[str, Any]) -> list[str]:
-    """The end-to-end figures: final head vs the original, and vs torch.compile of the original."""
+    """The end-to-end figures: final head vs the original, and vs torch.compile of the original. From fewer than
+    `MIN_RESULT_ROUNDS` rounds they are stated as indicative only: no interval, no verdict, no bold."""
     medians = comparison.get("median_step_s") or {}
     rounds = comparison.get("rounds")
     final = comparison.get("final_vs_original")
     lines = []
+    if _few_rounds(comparison):
+        compiled = comparison.get("compiled_vs_original")
+        if final:
+            lines.append(f"Final head vs the original over only {rounds} interleaved round(s): step-time ratio {final['ratio']:.3f} "
+                         f"(original {_ms(medians.get('original'))}, final {_ms(medians.get('final'))}): indicative only, too few "
+                         f"rounds for an interval (it takes {MIN_RESULT_ROUNDS}; `--final-rounds`).")
+        if compiled:
+            lines.append(f"torch.compile of the original in the same rounds: ratio to the original {compiled['ratio']:.3f} "
+                         "(indicative only).")
+        return lines
     if final:
         verdict = (f"{1 / final['ratio']:.2f}x faster" if final["ci_high"] < 1 else
                    f"{final['ratio']:.2f}x the step time, slower" if final["ci_low"] > 1 else
@@ -159,7 +177,9 @@ def _markdown(state, config, final, stop_reason, emulated_npu, kb_stats, charts)
         "",
     ]
     comparison = state.get("final_comparison")
-    if comparison and accepted:
+    if comparison and accepted and _few_rounds(comparison):  # the gate's per-commit figures are the result
+        lines += [_speedup_line(baseline, None, accepted), "", " ".join(_comparison_lines(comparison)), ""]
+    elif comparison and accepted:
         lines += [" ".join(_comparison_lines(comparison)), "", "Per commit: " + _speedup_line(baseline, None, accepted), ""]
     else:
         lines += [_speedup_line(baseline, final, accepted), ""]
