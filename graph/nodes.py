@@ -153,6 +153,10 @@ def retrieval(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     if choice is None:
         return {"node": "retrieval", "current_intent": None, "recipe_queue": [],
                 "stop_reason": state.get("stop_reason") or NO_INTENTS.message}
+    stop = limit_reached(state, ctx.config)  # the budget holds from the first candidate on, not only after a verdict
+    if stop is not None:
+        ctx.say(f"not starting a candidate for intent {choice.intent.category}: {stop.message}")
+        return {"node": "retrieval", "current_intent": None, "recipe_queue": [], "stop_reason": stop.message}
     ctx.say(f"intent {choice.intent.category} at {', '.join(str(s) for s in choice.intent.spans)}: {len(choice.queue)} "
             f"{'last-resort ' if choice.last_resort else ''}recipe(s)")
     return {"node": "retrieval", "current_intent": choice.data, "recipe_queue": choice.queue, "candidate": None,

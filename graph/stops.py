@@ -1,7 +1,7 @@
 """Why a run stops, in one place: the typed stop reasons, the limits that end the loop (time budget,
 candidate limit, diminishing returns), and the exception for a run that cannot go on at all.
 
-The router after `decide` asks `limit_reached`; the report node states `stop_reason`; nothing
+The retrieval node (before every intent, the first included) and the router after `decide` ask `limit_reached`; the report node states `stop_reason`; nothing
 else compares stop strings.
 """
 
@@ -53,19 +53,33 @@ def final_comparison_s(state: dict[str, Any], config, typical_gate_s: float) -> 
         return 0.0
     arms = 3 if config.compile_reference else 2
     times = state.get("phase_times") or []
-    child = max((t.get("parts", {}).get("baseline", 0.0) for t in times if t["node"] == "prepare"), default=0.0)
+    child = baseline_child_s(state)
     compile_s = max((t.get("parts", {}).get("reference", 0.0) for t in times if t["node"] == "analyst"), default=0.0)
     measured = arms * config.final_rounds * child + (compile_s if config.compile_reference and config.final_rounds else 0.0)
     return max(measured, typical_gate_s * (arms * config.final_rounds) / (2 * config.gate_rounds))
 
 
-def budget_allows_another(state: dict[str, Any], config) -> bool:
-    """Time left for one more candidate as long as the typical one so far (the median gate time), and
-    then for the final comparison (`final_comparison_s`), so a run ends near its budget rather than
-    one gate past it."""
-    elapsed = time.time() - (state.get("started_at") or time.time())
+def baseline_child_s(state: dict[str, Any]) -> float:
+    """One sandbox child of the unmodified program, as the prepare node measured it (0 before it has)."""
+    return max((t.get("parts", {}).get("baseline", 0.0) for t in state.get("phase_times") or [] if t["node"] == "prepare"),
+               default=0.0)
+
+
+def typical_gate_s(state: dict[str, Any], config) -> float:
+    """How long the next gate will take: the median of the run's gates so far; before the first one, a child per
+    round of the gate's first look and two for the numerics probe, each as long as the run's baseline child."""
     gates = sorted(t["wall_s"] for t in state.get("phase_times") or [] if t["node"] == "profiler")
-    typical = gates[len(gates) // 2] if gates else 0.0
+    if gates:
+        return gates[len(gates) // 2]
+    return (min(config.gate_rounds, 6) + 2) * baseline_child_s(state)
+
+
+def budget_allows_another(state: dict[str, Any], config) -> bool:
+    """Time left for one more candidate as long as the typical one (`typical_gate_s`, the first one included), and
+    then for the final comparison (`final_comparison_s`), so a run ends near its budget rather than one gate past
+    it."""
+    elapsed = time.time() - (state.get("started_at") or time.time())
+    typical = typical_gate_s(state, config)
     return elapsed + typical + final_comparison_s(state, config, typical) <= config.budget_s
 
 

@@ -187,6 +187,35 @@ def test_route_after_decide():
     assert nodes.route_after_decide({**after_accept, "low_gain_rounds": 2}, _runtime(low_gain_rounds_to_stop=2)) == "report"
 
 
+def test_the_budget_holds_before_the_first_candidate(monkeypatch):
+    """Issue 27: `--budget 6m` took 13 min: nothing asked the budget before the first candidate. Its gate is estimated
+    from the baseline child (a child per round of the first look and two for numerics) and must fit, with the
+    closing comparison after it; retrieval asks before it hands out an intent."""
+    from trainbridge.graph.stops import limit_reached
+
+    now = time.time()
+    prepared = [{"node": "prepare", "wall_s": 31.0, "parts": {"baseline": 30.0}}]
+    first = {"started_at": now - 100, "phase_times": prepared, "intents": [{"id": "a"}]}
+    # 100 s spent + a first gate of (6 + 2) x 30 s = 340 s, and no closing comparison
+    assert limit_reached(first, _runtime(budget_s=360, final_rounds=0).context.config) is None
+    assert limit_reached(first, _runtime(budget_s=330, final_rounds=0).context.config).message == \
+        "time budget: not enough left for another candidate"
+    # ... and the closing comparison's 2 arms x 6 rounds x 30 s after it
+    assert limit_reached(first, _runtime(budget_s=360, compile_reference=False).context.config) is not None
+
+    choice = SimpleNamespace(data={"id": "a"}, intent=SimpleNamespace(category="gelu", spans=[]), queue=["x"], last_resort=False)
+    monkeypatch.setattr(nodes, "choose_intent", lambda *args, **kwargs: choice)
+    said = []
+    runtime = _runtime(budget_s=330, final_rounds=0)
+    runtime.context.kb, runtime.context.say = None, said.append
+    update = nodes.retrieval(first, runtime)
+    assert update["current_intent"] is None and update["stop_reason"] == "time budget: not enough left for another candidate"
+    assert nodes.route_after_retrieval(update) == "report" and "not starting a candidate" in said[0]
+    runtime = _runtime(budget_s=360, final_rounds=0)
+    runtime.context.kb, runtime.context.say = None, said.append
+    assert nodes.retrieval(first, runtime)["recipe_queue"] == ["x"]
+
+
 @pytest.mark.parametrize("target, expected", [("cpu", ["compile-regional"]), ("npu", [
     "rope-function-npu-rotary-mul", "rope-complex-npu-rotary-mul", "rope-npu-rotary-mul", "rope-chunk-npu-rotary-mul",
     "rope-halves-npu-rotary-mul"])])
