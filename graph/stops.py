@@ -1,8 +1,8 @@
 """Why a run stops, in one place: the typed stop reasons, the limits that end the loop (time budget,
 candidate limit, diminishing returns), and the exception for a run that cannot go on at all.
 
-The retrieval node (before every intent, the first included) and the router after `decide` ask `limit_reached`; the report node states `stop_reason`; nothing
-else compares stop strings.
+The retrieval node (before every intent, the first included) and the router after `decide` ask
+`limit_reached`; the report node states `stop_reason`; nothing else compares stop strings.
 """
 
 from __future__ import annotations
