@@ -30,6 +30,23 @@ def test_measure_prints_a_table_and_writes_json(tmp_path):
     assert len(payload["step_times_s"]) == 2 and payload["failure"] is None
 
 
+def test_a_program_that_imports_torch_npu_is_measured_on_the_npu_backend_and_says_where(tmp_path):
+    """Issue 25: `measure` of a ported program stopped at `No module named 'torch_npu'` (the CPU backend), with no
+    word of the emulation that `run --target npu` uses."""
+    from trainbridge.sandbox.backends import npu_emulated
+
+    out = tmp_path / "result.json"
+    result = trainbridge("measure", str(WORKLOADS / "tiny_npu"), "--steps", "2", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "imports torch_npu: it runs on the npu backend" in result.stderr
+    assert json.loads(out.read_text())["backend"] == "npu"
+    if npu_emulated():
+        assert "CPU emulation of torch_npu" in result.stderr and "speed unmeasured" in result.stderr
+        assert "speed measured on this machine" not in result.stderr
+    forced = trainbridge("measure", str(WORKLOADS / "tiny_npu"), "--steps", "1", "--backend", "cpu")
+    assert "imports torch_npu" not in forced.stderr  # asked for: no guess
+
+
 def test_measure_reports_failures_with_exit_code_1_and_bad_input_with_2():
     failed = trainbridge("measure", str(WORKLOADS / "nan"))
     assert failed.returncode == 1 and "nonfinite_loss" in failed.stderr

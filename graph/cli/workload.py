@@ -27,9 +27,27 @@ def _stdout() -> Console:
     return Console(width=None if sys.stdout.isatty() else 200)
 
 
+def resolve_backend(backend: str | None, root: Path) -> str:
+    """The backend asked for (checked), else cpu, or npu for a program that imports torch_npu (a ported one: on the
+    CPU it would stop at `import torch_npu`); says on stderr when npu runs on the emulation (no NPU here)."""
+    from trainbridge.sandbox.backends import npu_emulated
+    from trainbridge.tools.launch.script_facts import imports_torch_npu
+
+    if backend is not None and backend not in BACKENDS:
+        raise typer.BadParameter(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}", param_hint="--backend")
+    if backend is None:
+        backend = "npu" if imports_torch_npu(root) else "cpu"
+        if backend == "npu":
+            _error("note: the program imports torch_npu: it runs on the npu backend (--backend cpu to override)")
+    if backend == "npu" and npu_emulated():
+        _error("note: no NPU on this host: the npu backend is the CPU emulation of torch_npu; numerics are real, "
+               "step times are not NPU speed (speed unmeasured)")
+    return backend
+
+
 def measure(
     repo: str = typer.Argument(..., help="Repository root with a trainbridge.toml, or a bundled example name such as llama_pretrain."),
-    backend: str = typer.Option("cpu", "--backend", "-b", help=f"Device backend: {', '.join(BACKENDS)}."),
+    backend: Optional[str] = typer.Option(None, "--backend", "-b", help=f"Device backend: {', '.join(BACKENDS)} (default: cpu, or npu for a program that imports torch_npu; npu without an NPU runs on the emulation, speed unmeasured)."),
     steps: Optional[int] = typer.Option(None, help="Measured steps (default: the repo's trainbridge.toml)."),
     warmup: Optional[int] = typer.Option(None, help="Warm-up steps, not measured (default: trainbridge.toml)."),
     timeout: Optional[float] = typer.Option(None, help="Wall-clock limit in seconds for the whole run."),
@@ -47,12 +65,6 @@ def measure(
     from trainbridge.sandbox.runner import run_workload
     from trainbridge.sandbox.workload import WorkloadConfigError, load_workload, workload_for_launch
 
-    if backend not in BACKENDS:
-        raise typer.BadParameter(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}", param_hint="--backend")
-    availability = backend_availability(backend)
-    if not availability.available:
-        _error(f"backend {backend} is not available: {availability.reason}")
-        raise typer.Exit(2)
     try:
         root = resolve_repo(repo)
         loaded = workload_for_launch(root, launch_line(launch)) if launch else load_workload(root)
@@ -60,6 +72,11 @@ def measure(
     except WorkloadConfigError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
+    backend = resolve_backend(backend, workload.root)
+    availability = backend_availability(backend)
+    if not availability.available and backend != "npu":  # npu without an NPU: the emulation (resolve_backend said so)
+        _error(f"backend {backend} is not available: {availability.reason}")
+        raise typer.Exit(2)
     with _progress() as progress:
         task = progress.add_task(f"measuring {workload.root.name}", total=workload.config.warmup_steps + workload.config.steps)
         result = run_workload(workload, backend=backend, on_progress=lambda done, total: progress.update(task, completed=done, total=total))
@@ -72,7 +89,7 @@ def measure(
 
 def analyze(
     repo: str = typer.Argument(..., help="Repository root with a trainbridge.toml, or a bundled example name."),
-    backend: str = typer.Option("cpu", "--backend", "-b", help=f"Target backend whose eager step is profiled: {', '.join(BACKENDS)}."),
+    backend: Optional[str] = typer.Option(None, "--backend", "-b", help=f"Target backend whose eager step is profiled: {', '.join(BACKENDS)} (default: cpu, or npu for a program that imports torch_npu; npu without an NPU runs on the emulation)."),
     static: bool = typer.Option(False, "--static", help="Source scan only: no code is run, intents are lower-confidence and unestimated."),
     reference: Optional[Path] = typer.Option(None, "--reference", help="Evidence pack from `trainbridge collect-evidence` (e.g. made on a GPU machine) instead of compiling here."),
     no_reference: bool = typer.Option(False, "--no-reference", help="Skip the torch.compile reference (faster; K and savings become coarse)."),
@@ -93,6 +110,7 @@ def analyze(
         raise typer.Exit(2) from None
     if reference is not None and not reference.is_file():
         raise typer.BadParameter(f"{reference} does not exist", param_hint="--reference")
+    backend = resolve_backend(backend, workload.root)
     with console.status("analysing") as status:
         try:
             analysis = analyze_repo(workload, backend=backend, static_only=static, reference_pack=reference,
@@ -188,4 +206,9 @@ def _print_result(root: Path, result: RunResult) -> None:
         if result.failure.traceback_tail:
             console.print(result.failure.traceback_tail, markup=False, highlight=False, soft_wrap=True)
     else:
-        console.print("[green]ok[/]: speed measured on this machine's " + result.backend)
+        from trainbridge.sandbox.backends import npu_emulated
+
+        if result.backend == "npu" and npu_emulated():
+            console.print("[green]ok[/]: trained on the emulated npu (no NPU here): speed unmeasured")
+        else:
+            console.print("[green]ok[/]: speed measured on this machine's " + result.backend)

@@ -209,3 +209,27 @@ def _dotted(node: ast.expr) -> str:
 
 def _const(node: ast.expr):
     return node.value if isinstance(node, ast.Constant) else None
+
+
+_IMPORTS_TORCH_NPU = re.compile(r"^\s*(import\s+torch_npu\b|from\s+torch_npu\b)", re.MULTILINE)
+_SKIPPED_DIRS = frozenset({".git", "__pycache__", "site-packages", "node_modules", ".venv", "venv"})
+SCANNED_FILES = 2000  # Python files read at most, looking for `import torch_npu`
+
+
+def imports_torch_npu(root: Path) -> bool:
+    """Whether some Python file under `root` imports torch_npu (a program written or ported for Ascend). Hidden and
+    environment folders are not descended into; at most `SCANNED_FILES` files, the first 1 MiB of each."""
+    seen = 0
+    for path in sorted(Path(root).rglob("*.py")):
+        if any(part in _SKIPPED_DIRS or part.startswith(".") for part in path.relative_to(root).parts[:-1]):
+            continue
+        seen += 1
+        if seen > SCANNED_FILES:
+            return False
+        try:
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                if _IMPORTS_TORCH_NPU.search(handle.read(1 << 20)):
+                    return True
+        except OSError:
+            continue
+    return False
