@@ -342,6 +342,12 @@ def test_run_port_copies_into_empty_out_dir_and_never_touches_the_repo(tmp_path)
     report = json.loads(outcome.report_json.read_text())
     assert report["files_written"] == ["train.py", "train_ddp.py"] and len(report["changes"]) == len(outcome.result.changes)
     assert "## Changes" in outcome.report_md.read_text()
+    # a git repository, so that `trainbridge run` works on it at once (issue 25): the original, then the port
+    log = subprocess.run(["git", "log", "--format=%s", "--name-only"], cwd=tmp_path / "ported", capture_output=True,
+                         text=True, check=True).stdout
+    assert log.startswith("ported to npu by trainbridge port (2 file(s) rewritten)\n\ntrain.py\ntrain_ddp.py\n"), log
+    assert "the original, copied from" in log
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=tmp_path / "ported", capture_output=True, text=True).stdout == ""
     with pytest.raises(PortError, match="overlaps the repository"):
         run_port(repo, out_dir=repo / "ported")
     with pytest.raises(PortError, match="supported targets"):

@@ -106,3 +106,26 @@ def open_repo(path: str | Path) -> UserRepo:
     if (root / ".gitmodules").exists():
         notes.append("Submodules are not checked out in TrainBridge's worktrees.")
     return UserRepo(root=root, git_dir=git_dir, common_dir=common_dir, head_sha=head_sha, branch=branch, notes=notes)
+
+
+def new_repository(root: Path, message: str, *, branch: str = "main") -> str:
+    """Make the folder `root` (one TrainBridge wrote: a port's copy) a git repository whose first commit holds its files
+    (the ones its .gitignore does not leave out); returns that commit's SHA."""
+    from trainbridge.tools.git.runner import run_git
+
+    run_git(root, "init", "-q", f"--initial-branch={branch}")
+    run_git(root, "add", "-A")
+    run_git(root, "commit", "-q", "--allow-empty", "-m", message)
+    return run_git(root, "rev-parse", "HEAD")
+
+
+def commit_everything(root: Path, message: str) -> str | None:
+    """Commit every change in the repository at `root` (one TrainBridge made, never the user's); its SHA, or None
+    when nothing changed."""
+    from trainbridge.tools.git.runner import run_git
+
+    run_git(root, "add", "-A")
+    if not run_git(root, "status", "--porcelain", "--untracked-files=all"):
+        return None
+    run_git(root, "commit", "-q", "-m", message)
+    return run_git(root, "rev-parse", "HEAD")

@@ -1,7 +1,8 @@
 """`trainbridge port <repo> --to npu`: write an NPU port of a CUDA program somewhere reviewable.
 
 The user's checkout is never modified. The port is written either into `--out` (an empty folder,
-which gets a copy of the repository first, or a git worktree, whose files are ported in place), or,
+which gets a copy of the repository first, made a git repository with the original as its first commit and
+the port as its second, so that `run` works on it at once; or a git worktree, whose files are ported in place), or,
 with `--run-id`, onto the branch `trainbridge/<run>.port` through tools/git/ops.py's worktrees.
 A rich table shows the changes and what could not be ported; JSON and markdown reports are written
 beside the output.
@@ -122,10 +123,19 @@ def run_port(repo: Path, *, to: str = "npu", out_dir: Path | None = None, dry_ru
                             "earlier port: remove it, or pass --out <empty folder or git worktree>, --run-id <id> for a "
                             "trainbridge/<run>.port branch, or --dry-run to only see the report")
     _outside(out_dir, repo)
+    copied = not (out_dir / ".git").exists()
     _prepare_tree(repo, out_dir)
+    if copied:  # a git repository, so that `run`, `init` and a diff work on it at once: the original, then the port
+        from trainbridge.tools.git.repo import new_repository
+
+        new_repository(out_dir, f"the original, copied from {Path(os.path.realpath(repo))} by trainbridge port")
     result = port_repo(out_dir)
     outcome = PortOutcome(repo=repo, target=to, dry_run=False, out_dir=out_dir, files_written=write_port(out_dir, result),
                           result=result)
+    if copied:
+        from trainbridge.tools.git.repo import commit_everything
+
+        commit_everything(out_dir, f"ported to {to} by trainbridge port ({len(outcome.files_written)} file(s) rewritten)")
     default_reports = out_dir.parent / f"{out_dir.name}.port-report"
     return write_reports(outcome, report_dir or default_reports)
 
