@@ -138,6 +138,20 @@ def test_a_training_script_with_no_launch_line_written_anywhere(tmp_path):
     assert best.evidence[0].where == "trainer/run_training.py:13"  # its __main__ guard
 
 
+def test_a_script_that_reads_rank_without_a_default_is_launched_with_torchrun(tmp_path):
+    """Issue 25: `init` picked `python train_gpt.py` for a speedrun that reads os.environ["RANK"] (it stopped at
+    `environment variable RANK expected`); one that reads it with a default (nanoGPT's .get) still runs as python."""
+    needs = TRAINS.replace("    import torch\n", "    import os\n    import torch\n    rank = int(os.environ[\"RANK\"])\n", 1)
+    assert needs != TRAINS
+    write(tmp_path / "a", {"train_gpt.py": needs})
+    best = discover_launch(tmp_path / "a").best
+    assert best.launch == "torchrun --standalone --nproc_per_node=1 train_gpt.py" and best.torchrun and best.nproc == 1
+    assert any("torchrun sets them" in r for r in best.reasons)
+    optional = TRAINS.replace("    import torch\n", "    import os\n    import torch\n    rank = int(os.environ.get(\"RANK\", -1))\n", 1)
+    write(tmp_path / "b", {"train_gpt.py": optional})
+    assert discover_launch(tmp_path / "b").best.launch == "python train_gpt.py"
+
+
 def test_a_launch_line_naming_a_missing_script_is_not_taken(tmp_path):
     write(tmp_path, {"README.md": "```bash\npython old_train.py --epochs 3\n```\n", "train.py": TRAINS})
     found = discover_launch(tmp_path)

@@ -195,9 +195,14 @@ def discover_launch(repo: Path) -> Discovery:
             near.append(NearMiss(script=rel, reason=f"runs as a script but {script_facts.why_not_training()}"))
         elif not any(c.script == rel for c in found.values()):
             line = script_facts.main_guard or min(script_facts.backward_lines or script_facts.optimizer_lines)
-            parsed = ParsedLaunch(argv=["python", rel], script=rel, script_args=[])
+            if script_facts.needs_torchrun:  # `python x.py` would stop at its os.environ["RANK"]
+                parsed = ParsedLaunch(argv=["torchrun", "--standalone", "--nproc_per_node=1", rel], script=rel, script_args=[],
+                                      torchrun=True, nproc=1, notes=["it reads RANK/WORLD_SIZE from the environment without a "
+                                                                     "default: torchrun sets them (one process here)"])
+            else:
+                parsed = ParsedLaunch(argv=["python", rel], script=rel, script_args=[])
             _add(found, parsed, rel, LaunchEvidence(kind=EvidenceKind.script_only, file=rel, line=line,
-                                                    text=f"python {rel}"), root, facts_of, training_of(rel))
+                                                    text=shlex.join(parsed.argv)), root, facts_of, training_of(rel))
 
     candidates = sorted(found.values(), key=lambda c: (-c.score, c.evidence[0].file.count("/"), c.evidence[0].file,
                                                        c.evidence[0].line))

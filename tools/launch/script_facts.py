@@ -56,6 +56,7 @@ class ScriptFacts:
     uses_configurator: bool = False  # exec(open("configurator.py").read()) or similar
     configurator_line: int | None = None  # settings are the constants above it (what it may override)
     distributed: bool = False  # init_process_group / RANK in the environment
+    needs_torchrun: bool = False  # reads os.environ["RANK"] (or LOCAL_RANK, WORLD_SIZE) with no default: a KeyError without torchrun
     settings: list[SettingHint] = field(default_factory=list)
     path_strings: list[tuple[str, int]] = field(default_factory=list)
     imports: list[str] = field(default_factory=list)  # modules it imports (relative ones with their dots)
@@ -117,6 +118,7 @@ def read_script_facts(root: Path, rel: str) -> ScriptFacts:
         elif isinstance(node, ast.Subscript) and _is_environ(node.value) and _const(node.slice) in ("RANK", "LOCAL_RANK",
                                                                                                  "WORLD_SIZE"):
             facts.distributed = True
+            facts.needs_torchrun = facts.needs_torchrun or isinstance(node.ctx, ast.Load)
     if facts.configurator_line is not None:  # constants set after the configurator ran are no settings
         facts.settings = [s for s in facts.settings if s.kind != "constant" or s.line < facts.configurator_line]
     return facts
