@@ -312,6 +312,19 @@ def test_compile_backends_and_extensions():
                                  "") == code
 
 
+def test_cuda_version_checks_nvidia_smi_and_fused_optimizers_are_reported_at_their_lines():
+    """Issue 25: a ported speedrun kept `nvidia-smi` calls, `torch.version.cuda` and `AdamW(fused=True)` without a word."""
+    code = ("import os, subprocess\nimport torch\n\nprint(torch.version.cuda)\nsubprocess.run([\"nvidia-smi\"])\n"
+            'os.system("nvidia-smi --query-gpu=name --format=csv")\nopt = torch.optim.AdamW(params, lr=1e-3, fused=True)\n'
+            "sgd = torch.optim.SGD(params, lr=0.1, fused=False)\nlabel = 'nvidia smi is not called here'\n")
+    result = port(code)
+    assert [(s.line, s.category, s.blocking) for s in result.skipped] == [
+        (4, SkipCategory.cuda_api, False), (5, SkipCategory.cuda_api, True), (6, SkipCategory.cuda_api, True),
+        (7, SkipCategory.cuda_api, True)]
+    assert "npu-smi info" in result.skipped[1].reason and "NpuFusedAdamW" in result.skipped[3].reason
+    assert "None with an NPU build" in result.skipped[0].reason
+
+
 def test_unparsable_file_is_left_and_reported():
     code = "print 'python 2'\nx = 'cuda'\n"
     result = port_source(code, "old.py")

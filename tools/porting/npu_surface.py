@@ -120,6 +120,19 @@ COMPILE_INDUCTOR_REASON = (
     "eagerly. Decide by measurement whether to compile here (the TrainBridge playbook makes selective compile the "
     "last resort)."
 )
+VERSION_CUDA_REASON = (
+    "`torch.version.cuda` is None with an NPU build of torch: code that branches on it takes its non-CUDA path; "
+    "`torch_npu.__version__` names the NPU stack"
+)
+FUSED_OPTIMIZER_REASON = (
+    "`fused=True` asks for the fused optimizer kernels of the tensors' device: on the NPU that needs torch_npu's "
+    "fused kernel for this optimizer; torch_npu.optim's NpuFusedAdamW/NpuFusedSGD (or foreach=True) are the NPU's "
+    "own fused updates (trainbridge's recipes adamw-npu-fused, sgd-npu-fused rewrite to them and check the numerics)"
+)
+NVIDIA_SMI_REASON = (
+    "nvidia-smi does not exist on an Ascend host: `npu-smi info` is its counterpart (another output format), and "
+    "torch.npu.device_count()/mem_get_info() answer from Python"
+)
 COMPILE_MODE_REASON = (
     "torch.compile mode {mode!r} selects CUDA graphs and/or Triton autotuning, which mean nothing on the NPU; "
     "drop the mode or compile with backend='npu' (TorchAir) and measure."

@@ -245,6 +245,8 @@ class Planner(cst.CSTVisitor):
             self.plan.attrs[id(node)] = "HCCL"
             before = self._code(node)
             self._change(node, ChangeKind.dist_backend, before, before[: -len("NCCL")] + "HCCL")
+        elif "torch.version.cuda" in qnames:
+            self._skip(node, SkipCategory.cuda_api, surface.VERSION_CUDA_REASON, blocking=False)
         elif node.attr.value == "is_cuda" and not any(q.startswith("torch.") for q in qnames):
             self.plan.attrs[id(node)] = "is_npu"
             before = self._code(node)
@@ -284,6 +286,10 @@ class Planner(cst.CSTVisitor):
         qnames = self._qnames(func)
         if "torch.compile" in qnames:
             self._check_compile(node, node.args)
+        elif any(q.startswith("torch.optim.") for q in qnames) and any(
+                a.keyword is not None and a.keyword.value == "fused" and isinstance(a.value, cst.Name) and a.value.value == "True"
+                for a in node.args):
+            self._skip(node, SkipCategory.cuda_api, surface.FUSED_OPTIMIZER_REASON)
         elif qnames & {"torch.utils.cpp_extension.load", "torch.utils.cpp_extension.load_inline"}:
             self._check_extension(node)
         elif "torch.utils.cpp_extension.CUDAExtension" in qnames:
@@ -347,6 +353,8 @@ class Planner(cst.CSTVisitor):
 
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
         value = node.evaluated_value
+        if isinstance(value, str) and "nvidia-smi" in value:
+            self._skip(node, SkipCategory.cuda_api, surface.NVIDIA_SMI_REASON)
         converted = convert_string(value) if isinstance(value, str) else None
         if converted:
             kind, new = converted
