@@ -292,7 +292,7 @@ def decide(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         record_outcome(ctx, state, candidate, record)
         update["verdicts"] = [record]
         update["candidate"] = None
-        ctx.say(f"verdict {candidate.name}: {record['reason']} ({record['message'][:120]})")
+        ctx.say(verdict_line(candidate.name, record["reason"], record["message"]))
         if verdict["accepted"] or "done_intents" in update:
             update["done_intents"] = [candidate.intent_id]
             return update
@@ -398,6 +398,16 @@ def gate_summary(verdict: dict[str, Any]) -> dict[str, Any]:
     return {"wall_s": verdict.get("wall_s"), "rounds": len(verdict.get("baseline_rounds") or []),
             "busy_rounds": verdict.get("busy_rounds") or [], "wait_policy": verdict.get("wait_policy"),
             "region_verdict": region.get("verdict"), "region_ratio": region.get("ratio"), "region_interval": region.get("interval")}
+
+
+VERDICT_LINE_CHARS = 600  # the figures, the interval and the numerics summary; the report holds the whole message
+
+
+def verdict_line(name: str, reason: str, message: str) -> str:
+    """What the CLI prints for a verdict: its reason and its message, figures first, cut only past
+    `VERDICT_LINE_CHARS` (it used to be cut at 120, which lost a not_significant verdict's interval)."""
+    text = message if len(message) <= VERDICT_LINE_CHARS else message[:VERDICT_LINE_CHARS].rsplit(" ", 1)[0] + " ... (the report has the rest)"
+    return f"verdict {name}: {reason} ({text})"
 
 
 def verdict_record(candidate: Candidate, *, accepted: bool, reason: str, message: str, ratio=None, ratio_ci=None) -> dict[str, Any]:

@@ -252,3 +252,13 @@ def test_routers_after_retrieval_coder_review():
     assert nodes.route_after_review({"review_decision": {"action": "reject"}}) == "apply_review"
     assert nodes.route_after_apply_review({"candidate": None, "recipe_queue": ["x"]}) == "coder"
     assert nodes.route_after_apply_review({"candidate": None, "recipe_queue": []}) == "decide"
+
+
+def test_a_verdict_line_keeps_its_figures_and_interval():
+    """Issue 27: verdict lines were cut at 120 characters, losing a not_significant verdict's interval."""
+    message = ("not significant (the interval includes no change and the signed-rank test finds no direction): ratio 0.9261 "
+               "(+7.39% gain), 93.75% CI [0.8598, 1.3073], 6 paired rounds, signed-rank p(faster)=0.219, p(slower)=0.844")
+    line = nodes.verdict_line("gelu-1", "not_significant", message)
+    assert line == f"verdict gelu-1: not_significant ({message})"
+    long = nodes.verdict_line("c", "numerics_mismatch", "gradient of 'w': cosine 0.9 " * 100)
+    assert len(long) < nodes.VERDICT_LINE_CHARS + 80 and long.endswith("... (the report has the rest))")

@@ -29,7 +29,7 @@ from trainbridge.graph import npu_pending
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.detached_views import detached_view
 from trainbridge.graph.team.gate_jobs import GateJob
-from trainbridge.graph.nodes import PARTS_KEY, learn_recipe, record_outcome, verdict_record
+from trainbridge.graph.nodes import PARTS_KEY, learn_recipe, record_outcome, verdict_line, verdict_record
 from trainbridge.graph.team.rebase import carry_forward
 from trainbridge.graph.state import RunState
 from trainbridge.graph.stops import NO_INTENTS, RunStopped, limit_reached
@@ -189,7 +189,7 @@ def merge(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
                 done.append(candidate.intent_id)
         record_outcome(ctx, intent_state, candidate, record)
         records.append(record)
-        ctx.say(f"verdict {candidate.name}: {record['reason']} ({record['message'][:120]})")
+        ctx.say(verdict_line(candidate.name, record["reason"], record["message"]))
     regate = []
     for job, candidate, lane in stale:
         moved, how = carry_forward(workspace, candidate, lambda: _recode(ctx, workspace, candidate, lane))
