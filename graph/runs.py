@@ -184,6 +184,12 @@ def _invoke(config: RunConfig, paths: RunPaths, payload: Any, say: Callable[[str
     from trainbridge.sandbox.child import fork_server
     from trainbridge.sandbox.scratch import sweep_stale
 
+    from trainbridge.graph.preflight import RunInputError, confinement_notes
+
+    try:  # resumed or reviewed on a machine that cannot confine: refused as a start would be
+        confinement_notes(config)
+    except RunInputError as exc:
+        raise RunError(str(exc)) from None
     context = RunContext(config=config, paths=paths, say=say, llm=LLMConfig.from_env(os.environ))
     try:
         run_held = database_run_lock(config.checkpoint, config.run_id)  # across machines (Postgres); the flock: this one

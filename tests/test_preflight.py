@@ -107,7 +107,13 @@ def test_a_machine_that_cannot_confine_refuses_the_run_unless_it_is_asked_to_run
         assert check_run_input(RunConfig(repo=str(repo), run_id="confined")) == []
         assert verdict_record(candidate, accepted=False, reason="slower", message="m")["unconfined"] is False
 
+    # a run started with confinement and resumed where there is none is refused the same way
+    (tmp_path / "tb" / "runs" / "started").mkdir(parents=True)
+    (tmp_path / "tb" / "runs" / "started" / "run.json").write_text(RunConfig(repo=str(repo), run_id="started").model_dump_json())
     env = {"TRAINBRIDGE_CONFINE": "0"}
+    resumed = _cli_env(tmp_path, env, "resume", "started")
+    assert resumed.returncode == 2 and "cannot confine the code the gate runs" in resumed.stderr, resumed.stderr
+    shutil.rmtree(tmp_path / "tb")
     refused = _cli_env(tmp_path, env, "run", str(repo), "--run-id", "refused")
     assert refused.returncode == 2 and "cannot confine the code the gate runs" in refused.stderr, refused.stderr
     assert not (tmp_path / "tb" / "runs").exists()
