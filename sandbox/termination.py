@@ -65,8 +65,11 @@ def run_terminable(app: Callable[[], object]) -> None:
         app()
     except Terminated:
         _end("terminated (SIGTERM); its sandbox processes were ended", EXIT_TERMINATED)
-    except (KeyboardInterrupt, SystemExit):
+    except (KeyboardInterrupt, SystemExit) as exc:
         if not _interrupted:
+            raise
+        if isinstance(exc, SystemExit) and exc.code in (0, None):  # the command handled its Ctrl-C (serve stops so)
+            kill_descendants()
             raise
         _end("interrupted (Ctrl-C); its sandbox processes were ended", EXIT_INTERRUPTED)
 

@@ -150,6 +150,10 @@ def test_a_script_that_reads_rank_without_a_default_is_launched_with_torchrun(tm
     optional = TRAINS.replace("    import torch\n", "    import os\n    import torch\n    rank = int(os.environ.get(\"RANK\", -1))\n", 1)
     write(tmp_path / "b", {"train_gpt.py": optional})
     assert discover_launch(tmp_path / "b").best.launch == "python train_gpt.py"
+    guarded = TRAINS.replace("    import torch\n", "    import os\n    import torch\n    ddp = int(os.environ.get('RANK', -1)) != -1\n"
+                             "    rank = int(os.environ['RANK']) if ddp else 0\n", 1)  # nanoGPT's
+    write(tmp_path / "c", {"train_gpt.py": guarded})
+    assert discover_launch(tmp_path / "c").best.launch == "python train_gpt.py"
 
 
 def test_a_launch_line_naming_a_missing_script_is_not_taken(tmp_path):

@@ -98,7 +98,11 @@ def read_script_facts(root: Path, rel: str) -> ScriptFacts:
                 isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
             facts.module_level_code = True
         _module_setting(node, facts)
+    required_read = defaulted = False  # os.environ["RANK"] read; RANK read with a default or tested for first
     for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _dotted(node.func).endswith("environ.get") and node.args \
+                and _const(node.args[0]) in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+            defaulted = True  # nanoGPT: `int(os.environ.get("RANK", -1)) != -1`, then os.environ["RANK"] under that test
         if isinstance(node, ast.Call):
             _read_call(node, facts)
         elif isinstance(node, ast.Import):
@@ -118,7 +122,11 @@ def read_script_facts(root: Path, rel: str) -> ScriptFacts:
         elif isinstance(node, ast.Subscript) and _is_environ(node.value) and _const(node.slice) in ("RANK", "LOCAL_RANK",
                                                                                                  "WORLD_SIZE"):
             facts.distributed = True
-            facts.needs_torchrun = facts.needs_torchrun or isinstance(node.ctx, ast.Load)
+            required_read = required_read or isinstance(node.ctx, ast.Load)
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) \
+                and any(_is_environ(c) for c in node.comparators):
+            defaulted = True
+    facts.needs_torchrun = required_read and not defaulted
     if facts.configurator_line is not None:  # constants set after the configurator ran are no settings
         facts.settings = [s for s in facts.settings if s.kind != "constant" or s.line < facts.configurator_line]
     return facts

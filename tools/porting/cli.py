@@ -118,7 +118,7 @@ def run_port(repo: Path, *, to: str = "npu", out_dir: Path | None = None, dry_ru
         return write_reports(outcome, report_dir) if report_dir is not None else outcome
     if out_dir is None:
         out_dir = default_out_dir(repo, to)
-        if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / ".git").exists():
+        if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / ".git").is_file():  # (a linked worktree's .git is a file)
             raise PortError(f"{out_dir} (the default output, beside the repository) already holds files, perhaps an "
                             "earlier port: remove it, or pass --out <empty folder or git worktree>, --run-id <id> for a "
                             "trainbridge/<run>.port branch, or --dry-run to only see the report")
