@@ -66,14 +66,18 @@ def test_a_run_that_judged_candidates_unconfined_says_so_in_its_headline(tmp_pat
     assert f"- sandbox: UNCONFINED (--unconfined): {len(state['verdicts'])} candidate(s) ran without the sandbox's confinement" in markdown
 
 
+def _comparison(rounds: int, *, final_s: float, final: tuple, versus: tuple) -> dict:
+    """A closing comparison as agents.profiler.final writes it: (ratio, ci_low, ci_high) of the final head against the
+    original and against torch.compile of the original (95.0 ms, ratio 0.79 to the original's 120.0 ms)."""
+    figure = lambda ratio, low, high: {"ratio": ratio, "ci_low": low, "ci_high": high}  # noqa: E731
+    return {"rounds": rounds, "confidence": 0.95,
+            "median_step_s": {"original": 0.120, "final": final_s, "original_compiled": 0.095},
+            "final_vs_original": figure(*final), "final_vs_compiled": figure(*versus),
+            "compiled_vs_original": figure(0.79, 0.77, 0.81), "failures": {}}
+
+
 def test_report_headline_is_the_interleaved_final_comparison(tmp_path):
-    comparison = {
-        "rounds": 6, "confidence": 0.95, "median_step_s": {"original": 0.120, "final": 0.108, "original_compiled": 0.095},
-        "final_vs_original": {"ratio": 0.9, "ci_low": 0.88, "ci_high": 0.93},
-        "final_vs_compiled": {"ratio": 1.137, "ci_low": 1.10, "ci_high": 1.17},
-        "compiled_vs_original": {"ratio": 0.79, "ci_low": 0.77, "ci_high": 0.81},
-        "failures": {},
-    }
+    comparison = _comparison(6, final_s=0.108, final=(0.9, 0.88, 0.93), versus=(1.137, 1.10, 1.17))
     config = SimpleNamespace(run_id="r", repo="/repo", target="cpu")
     write_report(_state(), config, tmp_path, final_step_s=None, stop_reason="no intents left", emulated_npu=False,
                  kb_stats=None, final_comparison=comparison)
@@ -95,13 +99,7 @@ def test_report_headline_is_the_interleaved_final_comparison(tmp_path):
 
 def test_a_closing_comparison_of_two_rounds_is_no_headline_and_no_interval(tmp_path):
     """Issue 27: "1.99x faster (95% CI 0.390-0.646)" in bold came from 2 rounds, where the gate's own figure was 1.13x."""
-    comparison = {
-        "rounds": 2, "confidence": 0.95, "median_step_s": {"original": 0.120, "final": 0.060, "original_compiled": 0.095},
-        "final_vs_original": {"ratio": 0.502, "ci_low": 0.390, "ci_high": 0.646},
-        "final_vs_compiled": {"ratio": 0.63, "ci_low": 0.5, "ci_high": 0.7},
-        "compiled_vs_original": {"ratio": 0.79, "ci_low": 0.77, "ci_high": 0.81},
-        "failures": {},
-    }
+    comparison = _comparison(2, final_s=0.060, final=(0.502, 0.390, 0.646), versus=(0.63, 0.5, 0.7))
     write_report(_state(), SimpleNamespace(run_id="r", repo="/repo", target="cpu"), tmp_path, final_step_s=None,
                  stop_reason="no intents left", emulated_npu=False, kb_stats=None, final_comparison=comparison)
     markdown = (tmp_path / "report.md").read_text(encoding="utf-8")

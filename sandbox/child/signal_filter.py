@@ -12,7 +12,8 @@ process, by SIGSYS: `KILLED_BY`) at the first attempt of:
   or the other side while it is timed, makes that side's steps read late;
 - `ptrace`, `process_vm_readv` and `process_vm_writev`: reading or rewriting another process's memory (the
   gate's clocks, the partner's loss);
-- on x86-64, any system call of the x32 ABI (a second set of numbers the checks above would not see).
+- any system call of another ABI than the host's own (on x86-64: i386's `int 0x80`, and the x32 numbers), whose
+  numbers the checks above would not see.
 
 Every other call is allowed: the filter takes nothing a training program does away (its own signals, its
 DataLoader workers' SIGTERM/SIGKILL, its threads). A child killed by SIGSYS is reported as such
@@ -106,7 +107,7 @@ def program(arch: Arch, own_pid: int) -> bytes:
     """The filter's instructions for a child whose pid (and process group) is `own_pid`."""
     p = _Program()
     p.load(_ARCH)
-    p.jump_if(_JEQ, arch.audit, "native", "allow")
+    p.jump_if(_JEQ, arch.audit, "native", "deny")  # another ABI (i386's int 0x80 on x86-64) has other numbers: never
     p.label("native")
     p.load(_NR)
     if arch.x32_bit is not None:
