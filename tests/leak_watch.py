@@ -4,8 +4,9 @@ by an interrupt, a fork server or Ray worker whose owner died) neither burns one
 tests after it nor goes unseen. The end of the run prints every leak with its file; the run does not fail on them.
 
 A process is the file's when it started after the file's first test began and it is a descendant of this pytest, or
-its command line or working folder lies in this run's temporary folder, or it runs this suite's Python (an orphan's
-parent is init: nothing else ties it to us). Linux only (/proc); elsewhere the plugin does nothing.
+its command line or working folder lies in this run's temporary folder, or it is an orphan (its parent is init)
+started from this suite's virtual environment (`sys.prefix`: nothing else ties an orphan to us; another checkout's
+suite has another). Linux only (/proc); elsewhere the plugin does nothing.
 """
 
 from __future__ import annotations
@@ -65,16 +66,19 @@ def _link(pid: int, name: str) -> str:
         return ""
 
 
-def _ours(pid: int, table: dict[int, tuple[int, float]], basetemp: str, python: str) -> bool:
+def _ours(pid: int, table: dict[int, tuple[int, float]], basetemp: str, prefix: str) -> bool:
     seen, cursor = set(), pid
     while cursor in table and cursor not in seen:
         if cursor == os.getpid():
             return True
         seen.add(cursor)
         cursor = table[cursor][0]
-    if basetemp and (basetemp in _command(pid) or _link(pid, "cwd").startswith(basetemp)):
+    command = _command(pid)
+    if basetemp and (basetemp in command or _link(pid, "cwd").startswith(basetemp)):
         return True
-    return _link(pid, "exe") == python
+    # an orphan of this suite's own interpreter (its virtual environment's path, not the interpreter it links to, which
+    # another checkout's suite or any other program shares)
+    return table[pid][0] in (0, 1) and command.startswith(prefix + os.sep)
 
 
 def _ancestors() -> set[int]:
@@ -86,7 +90,7 @@ def _ancestors() -> set[int]:
     return found
 
 
-def alive_since(started: float, basetemp: str, python: str) -> list[int]:
+def alive_since(started: float, basetemp: str, prefix: str) -> list[int]:
     """Processes of this suite, other than pytest and its ancestors, that started at or after `started`."""
     table = {}
     for entry in _PROC.iterdir():
@@ -94,7 +98,7 @@ def alive_since(started: float, basetemp: str, python: str) -> list[int]:
             table[int(entry.name)] = info
     skip = _ancestors()
     return sorted(pid for pid, (_, start) in table.items()
-                  if pid not in skip and start >= started and _ours(pid, table, basetemp, python))
+                  if pid not in skip and start >= started and _ours(pid, table, basetemp, prefix))
 
 
 def _basetemp(config: pytest.Config) -> str:
@@ -109,12 +113,12 @@ def _sweep(config: pytest.Config, file: str) -> None:
     started = _file_started.pop(file, None)
     if started is None:
         return
-    python = os.path.realpath(sys.executable)
+    prefix = sys.prefix
     deadline = time.monotonic() + GRACE_S
-    pids = alive_since(started, _basetemp(config), python)
+    pids = alive_since(started, _basetemp(config), prefix)
     while pids and time.monotonic() < deadline:
         time.sleep(0.25)
-        pids = alive_since(started, _basetemp(config), python)
+        pids = alive_since(started, _basetemp(config), prefix)
     for pid in pids:
         _leaks.append(Leak(file, pid, _command(pid)[:200]))
         try:
