@@ -19,8 +19,9 @@ UTS namespaces, as an unprivileged uid (`SANDBOX_UID`):
 
 Where bubblewrap is missing or the host refuses user namespaces, `child_sandbox` falls back to the network
 isolation of sandbox/isolation.py and says so in its notes; `TRAINBRIDGE_CONFINE=0` asks for that fallback
-(debugging only). Fork servers (sandbox/child/fork_server.py) are not started under bubblewrap yet: their
-forked children must stay the gate's own children (a subreaper waits for them), which a PID namespace forbids.
+(debugging only). Fork servers (sandbox/child/fork_server.py) are not started under bubblewrap: their forked
+children must stay the gate's own children (a subreaper waits for them), which a PID namespace forbids. Each forked
+child confines itself instead, to the same writable places (sandbox/child/self_confinement.py).
 """
 
 from __future__ import annotations
@@ -69,10 +70,15 @@ def _base_args(path: str, devices: bool) -> list[str]:
             "--tmpfs", "/dev/shm", "--proc", "/proc", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
 
 
+def wanted() -> bool:
+    """False when confinement was turned off (`TRAINBRIDGE_CONFINE=0`, debugging only)."""
+    return os.environ.get(CONFINE_ENV, "1") != "0"
+
+
 @functools.cache
 def bubblewrap() -> Tool:
     """Whether bubblewrap is installed and this host lets it make the namespaces (probed once per process)."""
-    if os.environ.get(CONFINE_ENV, "1") == "0":
+    if not wanted():
         return Tool(None, False, f"{CONFINE_ENV}=0")
     path = shutil.which("bwrap")
     if path is None:

@@ -29,7 +29,8 @@ from trainbridge.sandbox.child import fork_server, signal_filter
 from trainbridge.sandbox.script import run as script_run
 from trainbridge.sandbox.backends import Backend, npu_selection
 from trainbridge.sandbox.command_mode import parse_command_output
-from trainbridge.sandbox.confinement import Sandbox, child_sandbox, side_env
+from trainbridge.sandbox.confinement import Sandbox, cache_dir, child_sandbox
+from trainbridge.sandbox.confinement import wanted as confinement_wanted
 from trainbridge.sandbox.isolation import default_memory_limit_mb, limit_memory, network_isolation, scrubbed_env
 from trainbridge.sandbox.npu_emulation import selection_env
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
@@ -201,15 +202,17 @@ def _channel_child(workload: Workload, target: Backend, mode: str, plan: StepPla
     request = {"mode": mode, "root": str(workload.root), "entry": config.entry, "pythonpath": config.pythonpath,
                "backend": target.name, "seed": config.seed, "threads": config.threads, **(extra_request or {})}
     pool = fork_server.active()
-    box = _forked(workload.root) if pool is not None else child_sandbox(tmp_dir, root=workload.root, backend=target.name,
-                                                                        evidence=plan.evidence_dirs())
+    # exec'd (outside a gate, or where the pool cannot fork it) under bubblewrap; forked, confined by itself to the same
+    # writable folders (the record says which it was once it started: `_fork_confinement`)
+    box = child_sandbox(tmp_dir, root=workload.root, backend=target.name, evidence=plan.evidence_dirs())
+    writable = forked_writable(tmp_dir, workload.root, plan.evidence_dirs())
     base = _base_result(config, target, box, memory_limit_mb)
     base.warmup_steps = len(plan.warmup)
     # argv is the same for every timed child: what it is asked comes over the channel only
     spec = ChildSpec(argv=[*box.prefix, sys.executable, "-m", "trainbridge.sandbox.harness"], request=request, plan=plan,
                      cwd=workload.root, env={**env, **box.env}, preexec_fn=limit_memory(memory_limit_mb), timeout_s=config.timeout_s,
                      stdout_path=tmp_dir / "stdout.txt", stderr_path=tmp_dir / "stderr.txt",
-                     fork_pool=pool, memory_limit_mb=memory_limit_mb)
+                     fork_pool=pool, memory_limit_mb=memory_limit_mb, writable=writable)
     return spec, base
 
 
@@ -264,12 +267,29 @@ def _script_child(workload: Workload, target: Backend, mode: str, plan: StepPlan
     return spec, base, setup
 
 
-def _forked(root: Path) -> Sandbox:
-    """A child forked from a warm server: in the server's network namespace, not under bubblewrap
-    (sandbox/confinement.py says why); its HOME, TMPDIR and caches are an exec'd child's."""
+def forked_writable(scratch: Path, root: Path | str | None, evidence=()) -> tuple[str, ...] | None:
+    """The folders a forked child may write, those bubblewrap binds writable for an exec'd one
+    (`confinement.child_sandbox`): its scratch, its side's folder and its evidence folders; None (unconfined) where
+    confinement was turned off (TRAINBRIDGE_CONFINE=0)."""
+    if not confinement_wanted():
+        return None
+    return tuple(dict.fromkeys(str(Path(p).resolve()) for p in (scratch, cache_dir(root), *evidence)))
+
+
+SELF_CONFINED_NOTE = ("forked from a warm server, confined by itself (sandbox/child/self_confinement.py): own user and mount "
+                      "namespaces, no capability; writable: its own scratch, its side's folder and its evidence folder only; "
+                      "not in a PID namespace of its own (its system-call filter stops signals and tracing)")
+
+
+def _fork_confinement(base: RunResult, forked: bool, confined: bool) -> None:
+    """Record on `base` (made for an exec'd child) how a forked child was confined: by itself, or not at all where
+    nothing confines children here (the network isolation of its server only)."""
+    if not forked:
+        return
     isolation = network_isolation()
-    return Sandbox(prefix=isolation.prefix, env=side_env(root), network_isolated=isolation.isolated,
-                   notes=["forked from a warm server: not confined by bubblewrap", *isolation.notes])
+    base.confined = confined
+    base.network_isolated = isolation.isolated
+    base.isolation_notes = [SELF_CONFINED_NOTE] if confined else ["forked from a warm server: not confined", *isolation.notes]
 
 
 def _not_started() -> Sandbox:
@@ -288,6 +308,7 @@ def _driven_result(base: RunResult, outcome: DriveOutcome, timeout_s: float, ste
     base.cooldown_times_s, base.cooldown_losses = outcome.cooldown_times_s, outcome.cooldown_losses
     base.inner_step_times_s, base.losses = outcome.inner_times_s, outcome.losses
     base.watch = outcome.watch
+    _fork_confinement(base, outcome.forked, outcome.fork_confined)
     if len(outcome.clock_pairs) >= 2:
         (parent_first, child_first), (parent_last, child_last) = outcome.clock_pairs[0], outcome.clock_pairs[-1]
         base.clock_span_s = (parent_last - parent_first, child_last - child_first)
@@ -324,20 +345,21 @@ class _ChildOutcome:
 
 def run_confined(argv: list[str], *, cwd: Path, env: dict[str, str], memory_limit_mb: int, timeout_s: float,
                  tmp_dir: Path, forked: tuple[str, list[str]] | None = None,
-                 exec_env: dict[str, str] | None = None) -> _ChildOutcome:
+                 exec_env: dict[str, str] | None = None, writable: tuple[str, ...] | None = None) -> _ChildOutcome:
     """Run one request-file child of the sandbox's own modules (e.g. sandbox/region_bench.py) the way analysis
     modes run: own process group killed as a whole at `timeout_s`, address-space cap, the given (scrubbed)
     environment; stdout/stderr in `tmp_dir`. The outcome has returncode, timed_out, stdout, stderr, and how the
     child started (`spawn`). With `forked` (a `fork_child.PROGRAMS` name and its arguments) inside a fork pool
     (`fork_server.serving`), the child is forked from the pool's server, with the same confinement; where the
-    pool cannot fork it, it is exec'd from `argv`, with `exec_env` added to `env` (a bubblewrap sandbox's own HOME,
-    TMPDIR and caches: `confinement.child_sandbox`; a forked child's environment is its server's)."""
+    pool cannot fork it, it is exec'd from `argv`. Either way `exec_env` is added to `env` (the side's own HOME,
+    TMPDIR and caches: `confinement.child_sandbox`; a fork server ignores them in choosing the server), and a forked
+    child confines itself to `writable` (`forked_writable`: the folders bubblewrap would bind writable)."""
     return _run_child(argv, cwd=cwd, env=env, memory_limit_mb=memory_limit_mb, timeout_s=timeout_s, tmp_dir=tmp_dir,
-                      on_progress=None, forked=forked, exec_env=exec_env)
+                      on_progress=None, forked=forked, exec_env=exec_env, writable=writable)
 
 
 def _fork_confined(forked: tuple[str, list[str]] | None, *, cwd: Path, env: dict[str, str], memory_limit_mb: int,
-                   stdout, stderr) -> fork_server.ForkedChild | None:
+                   stdout, stderr, writable: tuple[str, ...] | None) -> fork_server.ForkedChild | None:
     pool = fork_server.active()
     if forked is None or pool is None:
         return None
@@ -345,18 +367,20 @@ def _fork_confined(forked: tuple[str, list[str]] | None, *, cwd: Path, env: dict
     try:
         return pool.fork(cwd=cwd, env=env, channel=(1000, 1001), memory_limit_mb=memory_limit_mb, program=forked[0],
                          args=forked[1], fds={"command": null_r, "reply": null_w, "stdout": stdout.fileno(),
-                                              "stderr": stderr.fileno()})
+                                              "stderr": stderr.fileno()}, writable=writable)
     finally:
         os.close(null_r)
         os.close(null_w)
 
 
 def _run_child(argv, *, cwd, env, memory_limit_mb, timeout_s, tmp_dir: Path, on_progress,
-               forked: tuple[str, list[str]] | None = None, exec_env: dict[str, str] | None = None) -> _ChildOutcome:
+               forked: tuple[str, list[str]] | None = None, exec_env: dict[str, str] | None = None,
+               writable: tuple[str, ...] | None = None) -> _ChildOutcome:
     stdout_path, stderr_path = tmp_dir / "stdout.txt", tmp_dir / "stderr.txt"
     progress_path = tmp_dir / "progress.jsonl"
     with stdout_path.open("wb") as stdout, stderr_path.open("wb") as stderr:
-        child = _fork_confined(forked, cwd=cwd, env=env, memory_limit_mb=memory_limit_mb, stdout=stdout, stderr=stderr)
+        child = _fork_confined(forked, cwd=cwd, env={**env, **(exec_env or {})}, memory_limit_mb=memory_limit_mb,
+                               stdout=stdout, stderr=stderr, writable=writable)
         spawn = "fork-server" if child is not None else "exec"
         try:
             child = child or subprocess.Popen(

@@ -1,6 +1,7 @@
 """Confinement of exec'd sandbox children by bubblewrap (sandbox/confinement.py, issue 24): a child's code cannot
 write outside its own scratch and compile cache, cannot see or signal TrainBridge's processes, and trains as before;
-without bubblewrap the result says it was not confined."""
+a child forked from a warm server confines itself to the same places (sandbox/child/self_confinement.py); without
+bubblewrap the result says it was not confined."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 import trainbridge
 from trainbridge.sandbox import confinement
+from trainbridge.sandbox.child import fork_server, self_confinement
 from trainbridge.sandbox.runner import run_workload
 from trainbridge.sandbox.workload import load_workload
 
@@ -41,6 +43,7 @@ def _escape_probe():
         "installed_tool": attempt("t", lambda: (Path(os.environ["TB_TEST_PACKAGE"]) / "planted_by_child.py").write_text("x")),
         "other_folder": attempt("o", lambda: (outside / "planted.txt").write_text("x")),
         "signal_parent": attempt("s", lambda: os.kill(parent, signal.SIGCONT)),
+        "parent_memory": attempt("m", lambda: open(f"/proc/{parent}/mem", "rb").close()),
         "temp_file": attempt("f", lambda: tempfile.mkstemp()),
         "home_file": attempt("h", lambda: (Path.home() / "note").write_text("x")),
         "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
@@ -88,6 +91,7 @@ def test_an_execd_child_writes_only_its_scratch_and_sees_no_process_of_ours(tmp_
     for place in ("own_worktree", "own_pycache", "installed_tool", "other_folder"):
         assert report[place] == "OSError", (place, report)  # EROFS: the filesystem is read-only to it
     assert report["signal_parent"] == "ProcessLookupError", report  # our pid names nothing in its namespace
+    assert report["parent_memory"] == "FileNotFoundError", report
     assert report["temp_file"] == "done" and report["home_file"] == "done", report  # its own TMPDIR and HOME
     assert len(report["pids"]) < 10, report  # its own PID namespace: bubblewrap's init and itself, not the host's
     assert report["uid"] == confinement.SANDBOX_UID
@@ -95,6 +99,45 @@ def test_an_execd_child_writes_only_its_scratch_and_sees_no_process_of_ours(tmp_
     assert not (Path(trainbridge.__file__).resolve().parent / "planted_by_child.py").exists()
     assert not (tmp_path / "outside" / "planted.txt").exists()
     assert len(result.step_times_s) == 3  # and it trained as before
+
+
+def test_a_forked_child_confines_itself_to_the_same_places(tmp_path):
+    refused = self_confinement.probe([str(tmp_path)])
+    if refused is not None:
+        pytest.skip(f"this host does not let a process confine itself: {refused}")
+    root = _probe_workload(tmp_path)
+    with fork_server.serving("fork-server") as pool:
+        result = run_workload(load_workload(root), mode="measure", extra_env=_env(tmp_path))
+        assert pool.forked == 1 and not pool.fallbacks, pool.fallbacks
+
+    assert result.failure is None, result.stderr_tail
+    assert result.confined and result.isolation_notes[0].startswith("forked from a warm server, confined by itself")
+    report = _report(result)
+    for place in ("own_worktree", "own_pycache", "installed_tool", "other_folder"):
+        assert report[place] == "OSError", (place, report)  # EROFS, as under bubblewrap
+    assert report["parent_memory"] == "PermissionError", report  # another user namespace's process: no access
+    assert report["temp_file"] == "done" and report["home_file"] == "done", report
+    assert report["uid"] == confinement.SANDBOX_UID
+    assert not (root / "planted.txt").exists() and not (root / "__pycache__").exists()
+    assert not (Path(trainbridge.__file__).resolve().parent / "planted_by_child.py").exists()
+    assert not (tmp_path / "outside" / "planted.txt").exists()
+    assert len(result.step_times_s) == 3
+
+
+@needs_bubblewrap
+def test_a_server_whose_children_cannot_confine_themselves_hands_them_to_bubblewrap(tmp_path):
+    root = _probe_workload(tmp_path)
+    with fork_server.serving("fork-server") as pool:
+        run_workload(load_workload(root), mode="measure", extra_env=_env(tmp_path))  # starts the server
+        (server,) = pool.servers.values()
+        server.confine_error = "planted: no user namespaces"  # what a host without them answers at the server's start
+        results = [run_workload(load_workload(root), mode="measure", extra_env=_env(tmp_path)) for _ in range(2)]
+        assert pool.forked == 1 and pool.cannot_confine and "planted: no user namespaces" in pool.cannot_confine
+        assert len(pool.fallbacks) == 2 and len(pool.servers) == 1  # asked once: the server is kept, not restarted
+    for result in results:
+        assert result.failure is None, result.stderr_tail
+        assert result.confined and "confined by bubblewrap" in result.isolation_notes[0]  # exec'd, confined
+        assert len(_report(result)["pids"]) < 10
 
 
 @needs_bubblewrap

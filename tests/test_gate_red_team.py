@@ -2,7 +2,8 @@
 what it did (or, where the trick finds nothing to exploit, simply not accepted).
 
 Each cheat is a file in tests/fixtures/redteam/cheats/: a header (`# class:`, `# expect:`, and optionally
-`# names:`, what the first finding's message must name) and the lines appended to the victim's step.py
+`# names:`, what the first finding's message must name, and `# confined:`, the verdict where the gate's children are
+confined and the filesystem refuses what the cheat tries) and the lines appended to the victim's step.py
 (tests/fixtures/redteam/base/). `{MARKER}` becomes a path outside both worktrees, `{PACKAGE_FILE}` the name
 of a file that does not exist in the installed package's folder (with the editable install, this
 checkout): the test removes that file afterwards, whatever the verdict. Add a file when a new way in is
@@ -23,6 +24,8 @@ import pytest
 from trainbridge.agents.profiler.gate import run_gate
 from trainbridge.agents.profiler.tamper import package_root
 from trainbridge.agents.profiler.verdict import VerdictReason
+from trainbridge.sandbox import confinement
+from trainbridge.sandbox.child import self_confinement
 from trainbridge.sandbox.workload import load_workload
 
 REDTEAM = Path(__file__).parent / "fixtures" / "redteam"
@@ -49,9 +52,23 @@ def plant(tmp_path: Path, cheat: Path, package_file: str = "") -> tuple[Path, Pa
     return baseline, candidate
 
 
+def children_confined(scratch: Path) -> bool:
+    """Whether a gate's children run confined here: forked ones confine themselves where the host lets a process
+    (sandbox/child/self_confinement.py), else they are exec'd under bubblewrap where it is usable."""
+    return confinement.wanted() and (self_confinement.probe([str(scratch)]) is None or confinement.bubblewrap().usable)
+
+
+def _expected(cheat: Path, confined: bool) -> str:
+    """The verdict a cheat gets: `# confined:` where children are confined and the cheat says what its attempt then
+    comes to (the filesystem refuses it, so the gate judges what is left), else `# expect:`."""
+    match = re.search(r"^# confined: (\S+)", cheat.read_text(), re.MULTILINE)
+    return match.group(1) if confined and match else _header(cheat, "expect")
+
+
 @pytest.mark.parametrize("cheat", CHEATS, ids=[c.stem for c in CHEATS])
 def test_planted_cheat_is_rejected_with_its_reason(tmp_path, cheat):
-    expect = _header(cheat, "expect")
+    confined = children_confined(tmp_path)
+    expect = _expected(cheat, confined)
     if cheat.stem == "raised_priority" and os.geteuid() != 0:
         pytest.skip("raising a priority needs root here; the check itself is tested in test_gate_conduct.py")
     planted = package_root() / f"redteam_planted_{uuid.uuid4().hex}.py"  # only a cheat that writes into the package creates it
@@ -63,12 +80,32 @@ def test_planted_cheat_is_rejected_with_its_reason(tmp_path, cheat):
             assert verdict.reason in NOT_ACCEPTED, verdict.message
         else:
             assert verdict.reason == VerdictReason(expect), f"{cheat.stem}: got {verdict.reason}: {verdict.message}"
-            assert verdict.findings and verdict.findings[0].kind.value == expect, verdict.findings
+            if expect == _header(cheat, "expect"):  # caught in the act: a finding names it (a prevented attempt has none)
+                assert verdict.findings and verdict.findings[0].kind.value == expect, verdict.findings
         names = re.search(r"^# names: (.+)$", cheat.read_text(), re.MULTILINE)
-        if names:
+        if names and expect == _header(cheat, "expect"):
             assert names.group(1).strip().replace("{PACKAGE_FILE}", planted.name) in verdict.findings[0].message, verdict.findings
+        if confined:
+            assert not planted.exists(), f"{cheat.stem} wrote into the installed package although its children are confined"
     finally:
         planted.unlink(missing_ok=True)
+
+
+PREVENTED = [c for c in CHEATS if re.search(r"^# confined: ", c.read_text(), re.MULTILINE)]
+
+
+@pytest.mark.parametrize("cheat", PREVENTED, ids=[c.stem for c in PREVENTED])
+def test_a_cheat_confinement_prevents_is_still_caught_unconfined(tmp_path, cheat, monkeypatch):
+    """Where nothing confines the children (TRAINBRIDGE_CONFINE=0 here; a host without user namespaces run with
+    --unconfined), what confinement prevents is caught after the fact, with its reason."""
+    monkeypatch.setenv(confinement.CONFINE_ENV, "0")
+    confinement.bubblewrap.cache_clear()
+    try:
+        assert not children_confined(tmp_path)
+        test_planted_cheat_is_rejected_with_its_reason(tmp_path, cheat)
+    finally:
+        monkeypatch.delenv(confinement.CONFINE_ENV)
+        confinement.bubblewrap.cache_clear()
 
 
 def test_every_cheat_names_its_class_and_expectation():
@@ -82,8 +119,8 @@ def test_every_cheat_names_its_class_and_expectation():
                    "overwriting the other side's evidence"):
         assert needed in classes, needed
     for cheat in CHEATS:
-        expect = _header(cheat, "expect")
-        assert expect == "not_accepted" or expect in VerdictReason.__members__, (cheat.name, expect)
+        for expect in {_expected(cheat, False), _expected(cheat, True)}:
+            assert expect == "not_accepted" or expect in VerdictReason.__members__, (cheat.name, expect)
 
 
 SNIFFER = '''
@@ -132,8 +169,8 @@ def build(device, seed):
 
 
 def test_a_gate_child_cannot_tell_the_numerics_round_from_a_timing_round(tmp_path):
-    log = tmp_path / "observed.jsonl"
     baseline, candidate = tmp_path / "baseline", tmp_path / "candidate"
+    log = confinement.cache_dir(candidate) / "observed.jsonl"  # its side's folder: a confined child may write there
     shutil.copytree(REDTEAM / "base", baseline)
     shutil.copytree(REDTEAM / "base", candidate)
     step = candidate / "step.py"
@@ -143,6 +180,7 @@ def test_a_gate_child_cannot_tell_the_numerics_round_from_a_timing_round(tmp_pat
     import json
 
     seen = [json.loads(line) for line in log.read_text().splitlines()]
+    confinement.remove_side(candidate)
     by_place: dict[str, list[dict]] = {}
     for entry in seen:
         by_place.setdefault(entry["where"], []).append(entry)

@@ -22,6 +22,7 @@ from trainbridge.agents.profiler.region_lab import (RegionTiming, classify, clea
 from trainbridge.agents.profiler.verdict import Verdict, VerdictReason
 from trainbridge.records import SourceSpan
 from trainbridge.sandbox import confinement
+from trainbridge.sandbox.child import self_confinement
 from trainbridge.sandbox.isolation import network_isolation
 from trainbridge.sandbox.region_bench import median_interval
 from trainbridge.sandbox.region_capture import Unisolated, qualname_for
@@ -174,7 +175,8 @@ def test_a_changed_signature_is_unisolated(tmp_path):
 def test_the_region_child_is_sandboxed(tmp_path, monkeypatch, spawn):
     """A candidate region that reaches for the network, a secret and its own worktree: the network is
     not there (where the host allows isolation), the secret is not, and the write is caught as gate-gaming;
-    alike for a child forked from the warm server (the CPU's default) and an exec'd one."""
+    alike for a child forked from the warm server (the CPU's default) and an exec'd one; where children are
+    confined (bubblewrap, or a forked child's own confinement) the write is refused instead."""
     monkeypatch.setenv("TRAINBRIDGE_GATE_SPAWN", spawn)
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -214,14 +216,14 @@ def test_the_region_child_is_sandboxed(tmp_path, monkeypatch, spawn):
         stop.set()
         thread.join(timeout=2)
         server.close()
-    confined = spawn == "exec" and confinement.bubblewrap().usable
+    confined = confinement.bubblewrap().usable if spawn == "exec" else self_confinement.probe([str(tmp_path)]) is None
     leak_file = confinement.cache_dir(candidate) / "tmp" / "leak.txt" if confined else candidate / "leak.txt"
     leak = leak_file.read_text(encoding="utf-8")
     assert "must-not-leak" not in leak and "'secret': None" in leak  # the scrubbed environment
     if network_isolation().isolated or confined:
         assert accepted == [] and "reached" not in leak
     assert timing.spawn == spawn
-    if confined:  # under bubblewrap the write into its worktree is refused: nothing to catch
+    if confined:  # under bubblewrap, or confined by itself when forked, the write into its worktree is refused
         assert "'worktree': 'OSError'" in leak and not (candidate / "leak.txt").exists() and timing.written == []
         return
     assert timing.written == ["candidate/leak.txt"] and timing.verdict == "unisolated"

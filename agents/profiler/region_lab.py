@@ -32,7 +32,7 @@ from trainbridge.sandbox.child import fork_server
 from trainbridge.sandbox.backends import Backend
 from trainbridge.sandbox.confinement import child_sandbox
 from trainbridge.sandbox.isolation import default_memory_limit_mb, network_isolation, scrubbed_env
-from trainbridge.sandbox.runner import run_confined
+from trainbridge.sandbox.runner import forked_writable, run_confined
 from trainbridge.sandbox.scratch import scratch_dir
 from trainbridge.sandbox.workload import Workload, load_workload
 
@@ -133,7 +133,8 @@ def time_region(baseline: Workload | Path, candidate: Workload | Path, sites: li
         argv = [*box.prefix, sys.executable, "-m", "trainbridge.sandbox.region_bench", str(tmp_dir / "request.json")]
         with fork_server.serving(fork_server.default_spawn(target.name), keep_warm=True):  # forked: under the isolation prefix
             outcome = run_confined(argv, cwd=candidate.root, env=env, memory_limit_mb=memory_limit_mb, timeout_s=timeout_s,
-                                   tmp_dir=tmp_dir, forked=("region_bench", [str(tmp_dir / "request.json")]), exec_env=box.env)
+                                   tmp_dir=tmp_dir, forked=("region_bench", [str(tmp_dir / "request.json")]), exec_env=box.env,
+                                   writable=forked_writable(tmp_dir, candidate.root))
         spawned = {"spawn": outcome.spawn}
         result_path = tmp_dir / "result.json"
         written = [f"{side}/{path}" for side, w in (("baseline", baseline), ("candidate", candidate))

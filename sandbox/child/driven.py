@@ -68,6 +68,7 @@ class ChildSpec:
     stderr_path: Path
     fork_pool: Any = None  # a sandbox/child/fork_server.py ForkPool: fork the child from a warm server (None: exec `argv`)
     memory_limit_mb: int | None = None  # the cap `preexec_fn` applies, for a forked child
+    writable: tuple[str, ...] | None = None  # a forked child's only writable folders (sandbox/child/self_confinement.py)
     ranks: int = 1  # > 1: a torchrun group of ranks (sandbox/child/rank_group.py), argv starts its supervisor
 
 
@@ -89,6 +90,7 @@ class DriveOutcome:
     timed_out: bool = False
     interrupted: str | None = None  # ran beside another child whose fault ended both plans: why
     forked: bool = False  # forked from a warm server (under its system-call filter, sandbox/child/signal_filter.py)
+    fork_confined: bool = False  # forked, and confined itself (sandbox/child/self_confinement.py)
 
 
 def record_step(out: DriveOutcome, phase: str, elapsed: float, loss: float) -> None:
@@ -151,7 +153,8 @@ class DrivenChild:
         try:
             forked = None if spec.fork_pool is None else spec.fork_pool.fork(
                 cwd=spec.cwd, env=spec.env, channel=(child_r, child_w), memory_limit_mb=spec.memory_limit_mb,
-                fds={"command": child_r, "reply": child_w, "stdout": stdout.fileno(), "stderr": stderr.fileno()})
+                fds={"command": child_r, "reply": child_w, "stdout": stdout.fileno(), "stderr": stderr.fileno()},
+                writable=spec.writable)
             self.popen = forked or subprocess.Popen([*spec.argv, "--channel", f"{child_r},{child_w}"], cwd=spec.cwd, env=spec.env,
                                                     stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
                                                     pass_fds=(child_r, child_w), start_new_session=True, preexec_fn=spec.preexec_fn)
@@ -162,6 +165,7 @@ class DrivenChild:
             self.out.failure = Failure(kind=FailureKind.crashed, message=f"could not start {spec.argv[0]}: {exc}")
             return False
         self.out.forked = forked is not None
+        self.out.fork_confined = bool(forked is not None and forked.confined)
         os.close(child_r)
         os.close(child_w)
         self.channel = Channel(reply_r, cmd_w)

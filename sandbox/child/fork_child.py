@@ -11,7 +11,9 @@ it forks an intermediate process that forks the child and exits, so the child is
 gate (a subreaper), and answers with the child's pid.
 
 The child makes itself what an exec'd harness child would be before it runs any workload code:
-its own session and process group, the memory cap, its own empty /dev/shm where the host allows a
+its own session and process group, the memory cap, when the request names its writable folders its own
+user and mount namespaces with everything else read-only and no capability (sandbox/child/self_confinement.py;
+it exits with `CONFINE_FAILED` rather than run unconfined), else its own empty /dev/shm where the host allows a
 private mount namespace (a file one child leaves there never reaches another), a seccomp filter that
 refuses stop signals to any process but itself, ptrace and cross-process memory access
 (sandbox/child/signal_filter.py: it is not in a PID namespace of its own), stdin from
@@ -36,9 +38,10 @@ import resource
 import signal
 import socket
 import sys
+import tempfile
 import traceback
 
-from trainbridge.sandbox.child import signal_filter
+from trainbridge.sandbox.child import self_confinement, signal_filter
 
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "trainbridge.sandbox.harness", "trainbridge.sandbox.child.step_server", "trainbridge.sandbox.child.channel",
            "trainbridge.sandbox.guard", "trainbridge.sandbox.numerics_probe", "trainbridge.sandbox.backends",
@@ -52,6 +55,7 @@ INDUCTOR_PRELOAD = ("torch._inductor.compile_fx", "torch._inductor.codecache", "
 _CLONE_NEWNS = 0x00020000
 _MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
 _FDS = ("command", "reply", "stdout", "stderr")
+CONFINE_FAILED = 125  # a forked child's exit code when it could not confine itself (it ran nothing)
 CHILD_NAME = "tb-harness"  # a forked child's name in /proc/PID/comm and `ps -o comm` (its cmdline stays the server's)
 _PR_SET_NAME = 15
 
@@ -100,7 +104,15 @@ def become_child(request: dict, fds: list[int]) -> None:
         if limit_mb is not None:
             limit = int(limit_mb) * 1024 * 1024
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-        private_shm()
+        writable = request.get("writable")
+        if writable is not None:  # the gate asked for a confined child: it runs confined or not at all
+            try:
+                self_confinement.confine([str(w) for w in writable])
+            except self_confinement.ConfinementError as exc:
+                os.write(fds[3], f"this forked child could not confine itself ({exc}); nothing of the workload ran\n".encode())
+                os._exit(CONFINE_FAILED)
+        else:
+            private_shm()
         if not signal_filter.install():
             print("note: no seccomp signal filter on this host: this forked child could stop or trace other processes "
                   "(the gate still watches for it)", file=sys.stderr, flush=True)
@@ -120,6 +132,7 @@ def become_child(request: dict, fds: list[int]) -> None:
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in request["env"].items()})
+        refresh_cached_paths()
         sys.path[0] = os.getcwd()  # what `python -m` puts first: the working directory
         program = sys.modules[PROGRAMS[request.get("program", "harness")]]
         args = (["--channel", f"{read_fd},{write_fd}"] if program.__name__ == PROGRAMS["harness"]
@@ -138,6 +151,27 @@ def become_child(request: dict, fds: list[int]) -> None:
             except Exception:  # noqa: BLE001 - exiting regardless
                 pass
         os._exit(code)
+
+
+def refresh_cached_paths() -> None:
+    """Paths the server worked out from its own environment at import (its TMPDIR is its scratch, shared by every
+    child it forks), worked out again from the child's: tempfile's cached temp folder, and the module-level folders
+    torch derives from it (Inductor's precompiled headers, Dynamo's package cache, the compiled-module profile).
+    Without this, children of both sides would share those folders; a confined child cannot write them at all."""
+    tempfile.tempdir = None
+    codecache = sys.modules.get("torch._inductor.codecache")
+    if codecache is not None and hasattr(codecache, "_HEADER_DIR"):
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        codecache._HEADER_DIR = os.path.join(default_cache_dir(), "precompiled_headers")
+        codecache._HEADER_LOCK_DIR = os.path.join(codecache._HEADER_DIR, "locks")
+    package = sys.modules.get("torch._dynamo.package")
+    if package is not None and hasattr(package, "DynamoCache") and hasattr(package, "DiskDynamoCache"):
+        package.DynamoCache = package.DiskDynamoCache(os.path.join(package.cache_dir(), "dynamo"))
+    benchmark = sys.modules.get("torch._inductor.wrapper_benchmark")
+    if benchmark is not None and hasattr(benchmark, "PROFILE_DIR"):
+        benchmark.PROFILE_DIR = tempfile.gettempdir()
+        benchmark.PROFILE_PATH = f"{benchmark.PROFILE_DIR}/compiled_module_profile.json"
 
 
 def _max_fd() -> int:
@@ -196,6 +230,7 @@ def serve(sock: socket.socket) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     ready["private_shm"] = _probe_private_shm()
+    ready["confine_error"] = self_confinement.probe([os.getcwd()])  # None: its children can confine themselves
     sock.send(json.dumps(ready).encode())
     while True:
         try:

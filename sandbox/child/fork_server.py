@@ -51,7 +51,7 @@ from typing import Literal
 
 from trainbridge.sandbox import proc_watch
 from trainbridge.sandbox.child.fork_child import PREWARM_ENV
-from trainbridge.sandbox.confinement import SIDE_ENV
+from trainbridge.sandbox.confinement import SIDE_ENV, bubblewrap
 from trainbridge.sandbox.isolation import network_isolation
 
 SpawnKind = Literal["fork-server", "exec"]
@@ -102,6 +102,10 @@ class ForkServerError(RuntimeError):
     """A server could not be started or stopped answering."""
 
 
+class CannotConfine(ForkServerError):
+    """A server's children cannot confine themselves on this host, where exec'd children are confined."""
+
+
 def default_spawn(backend: str) -> SpawnKind:
     """"fork-server" on the CPU, "exec" on accelerators (a device runtime does not survive fork, and
     none is attached here to prove the server safe with one). TRAINBRIDGE_GATE_SPAWN overrides."""
@@ -117,8 +121,9 @@ class ForkedChild:
     """The `subprocess.Popen` surface the drivers use, for a child the gate did not start itself
     (it was handed over by the server's intermediate process, so the gate can wait for it)."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, confined: bool = False):
         self.pid = pid
+        self.confined = confined  # it confined itself before running anything (sandbox/child/self_confinement.py)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -152,6 +157,7 @@ class ForkServer:
     private_shm: bool = False  # its children get their own empty /dev/shm
     prewarmed: str | None = None  # what it readied beyond its imports (fork_child.prewarm_inductor), if asked
     prewarm_error: str | None = None  # why the asked prewarm failed (its children then pay for it themselves)
+    confine_error: str | None = "not ready yet"  # why its children cannot confine themselves (None: they can)
     children: int = 0
     ready: bool = False  # it said "ready" (launched servers say so later: `await_ready`)
 
@@ -196,15 +202,26 @@ class ForkServer:
         self.ready = True
         self.private_shm = bool(reply.get("private_shm"))
         self.prewarmed, self.prewarm_error = reply.get("prewarmed"), reply.get("prewarm_error")
+        self.confine_error = reply.get("confine_error", "the server did not say whether its children can confine themselves")
 
     def fork(self, *, cwd: Path, env: dict[str, str], fds: dict[str, int], channel: tuple[int, int],
-             memory_limit_mb: int | None, program: str = "harness", args: list[str] | None = None) -> ForkedChild:
+             memory_limit_mb: int | None, program: str = "harness", args: list[str] | None = None,
+             writable: Iterable[Path | str] | None = None) -> ForkedChild:
         """A fresh child running the harness on `channel` (its two descriptor numbers), or another of
         the server's `fork_child.PROGRAMS` on `args`; `fds`: the parent's descriptors for "command",
-        "reply", "stdout", "stderr"."""
+        "reply", "stdout", "stderr". With `writable`, the child confines itself, those folders its only writable
+        places (sandbox/child/self_confinement.py); where it cannot and bubblewrap confines exec'd children,
+        ForkServerError (the caller execs it, confined, instead); where neither can, it runs unconfined, as an
+        exec'd child would."""
         names = ("command", "reply", "stdout", "stderr")
         request = {"op": "fork", "cwd": str(cwd), "env": env, "channel": list(channel), "memory_limit_mb": memory_limit_mb,
                    "program": program, "args": list(args or [])}
+        confined = writable is not None and self.confine_error is None
+        if writable is not None and self.confine_error is not None and bubblewrap().usable:
+            raise CannotConfine(f"the fork server's children cannot confine themselves here ({self.confine_error}): "
+                                  "exec'd under bubblewrap instead")
+        if confined:
+            request["writable"] = [str(w) for w in writable]
         try:
             socket.send_fds(self.sock, [json.dumps(request).encode()], [fds[n] for n in names])
         except OSError as exc:
@@ -221,7 +238,7 @@ class ForkServer:
             raise ForkServerError(f"the forked child {pid} was not handed to this process (parent "
                                   f"{stat.ppid if stat else 'gone'})")
         self.children += 1
-        return ForkedChild(pid)
+        return ForkedChild(pid, confined=confined)
 
     def _reply(self, timeout_s: float) -> dict:
         self.sock.settimeout(timeout_s)
@@ -260,10 +277,16 @@ class ForkPool:
     forked: int = 0
     fallbacks: list[str] = field(default_factory=list)  # why a child was exec'd instead
     max_servers: int | None = None  # the least recently used server is stopped beyond this (None: no limit)
+    cannot_confine: str | None = None  # why its children cannot confine themselves here (they are exec'd instead)
 
     def fork(self, *, cwd: Path, env: dict[str, str], fds: dict[str, int], channel: tuple[int, int],
-             memory_limit_mb: int | None, program: str = "harness", args: list[str] | None = None) -> ForkedChild | None:
-        """A forked child, or None (the reason kept in `fallbacks`): the caller then starts it by exec."""
+             memory_limit_mb: int | None, program: str = "harness", args: list[str] | None = None,
+             writable: Iterable[Path | str] | None = None) -> ForkedChild | None:
+        """A forked child (confined to `writable` where asked: `ForkServer.fork`), or None (the reason kept in
+        `fallbacks`): the caller then starts it by exec."""
+        if writable is not None and self.cannot_confine is not None:
+            self.fallbacks.append(self.cannot_confine)
+            return None
         key = _env_key(env)
         try:
             server = self.servers.pop(key, None)
@@ -280,7 +303,11 @@ class ForkPool:
                 server = ForkServer.start(self.prefix, env, self.scratch)
             self.servers[key] = server  # the most recently used last
             child = server.fork(cwd=cwd, env=env, fds=fds, channel=channel, memory_limit_mb=memory_limit_mb, program=program,
-                                args=args)
+                                args=args, writable=writable)
+        except CannotConfine as exc:  # the host's answer, not the server's fault: every later child is exec'd too
+            self.cannot_confine = str(exc)[:500]
+            self.fallbacks.append(self.cannot_confine)
+            return None
         except ForkServerError as exc:
             self.fallbacks.append(str(exc)[:500])
             dead = self.servers.pop(key, None)
