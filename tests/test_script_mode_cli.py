@@ -40,3 +40,17 @@ def test_run_with_a_launch_line_checks_it_before_anything_of_the_run_exists(tmp_
     assert done.returncode == 2 and "not 'bash'" in done.stderr
     done = trainbridge("run", str(repo), "--", "python", "missing.py")
     assert done.returncode == 2 and "missing.py" in done.stderr, done.stderr
+
+
+def test_analyze_and_collect_evidence_take_the_launch_line_too(tmp_path):
+    repo = nanogpt_repo(tmp_path / "repo", 'data = ["data/"]\ntimeout_s = 120\nsteps = 2\nwarmup_steps = 1\n')
+    out = tmp_path / "analysis.json"
+    done = trainbridge("analyze", str(repo), "--no-reference", "--json", str(out), "--",
+                       "python", "train.py", "--batch_size=2", "--block_size=16", "--n_layer=1", "--n_embd=32", "--n_head=2")
+    assert done.returncode == 0, done.stderr
+    analysis = json.loads(out.read_text())
+    profiled = [i for i in analysis["intents"] if "eager_profile" in i["evidence"]["detectors"]]  # the script ran
+    assert profiled and any(span["file"] == "model.py" for i in profiled for span in i["spans"]), analysis["intents"][:3]
+    for command in (("analyze", str(repo)), ("collect-evidence", str(repo), "--out", str(tmp_path / "pack.tar.gz"))):
+        refused = trainbridge(*command, "--", "bash", "run.sh")
+        assert refused.returncode == 2 and "not 'bash'" in refused.stderr, (command, refused.stderr)

@@ -20,6 +20,7 @@ from trainbridge.graph.cli.terminal import console
 from trainbridge.graph.cli.terminal import error as _error
 from trainbridge.sandbox.backends import BACKENDS
 from trainbridge.sandbox.results import RunResult
+from trainbridge.sandbox.workload import WorkloadConfigError
 
 
 def _stdout() -> Console:
@@ -63,12 +64,9 @@ def measure(
     """
     from trainbridge.sandbox.backends import availability as backend_availability
     from trainbridge.sandbox.runner import run_workload
-    from trainbridge.sandbox.workload import WorkloadConfigError, load_workload, workload_for_launch
 
     try:
-        root = resolve_repo(repo)
-        loaded = workload_for_launch(root, launch_line(launch)) if launch else load_workload(root)
-        workload = loaded.with_overrides(steps=steps, warmup_steps=warmup, timeout_s=timeout, threads=threads, seed=seed)
+        workload = _workload(repo, launch).with_overrides(steps=steps, warmup_steps=warmup, timeout_s=timeout, threads=threads, seed=seed)
     except WorkloadConfigError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
@@ -94,17 +92,19 @@ def analyze(
     reference: Optional[Path] = typer.Option(None, "--reference", help="Evidence pack from `trainbridge collect-evidence` (e.g. made on a GPU machine) instead of compiling here."),
     no_reference: bool = typer.Option(False, "--no-reference", help="Skip the torch.compile reference (faster; K and savings become coarse)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the whole analysis (all evidence) as JSON to this file ('-' for stdout)."),
+    launch: Optional[list[str]] = typer.Argument(None, metavar="[-- LAUNCH...]", help="Script mode: the command the repository trains with, after `--` (e.g. `-- python train.py --batch_size=4`); replaces trainbridge.toml's launch/entry/command."),
 ) -> None:
     """Find where the eager program is fragmented: ranked intents with their evidence.
+
+    `trainbridge analyze <repo> -- python train.py ...` analyses the script unmodified (script mode), as `run` and `measure` do.
 
     Profiles the eager step per source line on the target, compiles the same step with torch.compile (Inductor) as the reference (or reads --reference), runs Ascend's advisor rules and a source scan, and aligns them by source line. K vs N: reference kernels vs eager ops on those lines per step. Savings are estimates, never measurements.
     """
     from trainbridge.agents.analyst.analyze import AnalysisError, analyze_repo
-    from trainbridge.sandbox.workload import WorkloadConfigError, load_workload
     from trainbridge.tools.tables import intents_table
 
     try:
-        workload = load_workload(resolve_repo(repo))
+        workload = _workload(repo, launch)
     except WorkloadConfigError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
@@ -134,6 +134,7 @@ def collect_evidence(
     repo: str = typer.Argument(..., help="Repository root with a trainbridge.toml, or a bundled example name."),
     out: Path = typer.Option(..., "--out", "-o", help="Evidence pack to write (.tar.gz)."),
     backend: str = typer.Option("cpu", "--backend", "-b", help="Device to compile on: cuda on a GPU machine, else cpu."),
+    launch: Optional[list[str]] = typer.Argument(None, metavar="[-- LAUNCH...]", help="Script mode: the command the repository trains with, after `--` (e.g. `-- python train.py --batch_size=4`); replaces trainbridge.toml's launch/entry/command."),
 ) -> None:
     """Compile the workload's step with torch.compile here and write a portable evidence pack.
 
@@ -142,11 +143,10 @@ def collect_evidence(
     import tempfile
 
     from trainbridge.sandbox.runner import run_workload
-    from trainbridge.sandbox.workload import WorkloadConfigError, load_workload
     from trainbridge.tools.evidence_pack import write_pack
 
     try:
-        workload = load_workload(resolve_repo(repo))
+        workload = _workload(repo, launch)
     except WorkloadConfigError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
@@ -160,6 +160,15 @@ def collect_evidence(
         trace = evidence_dir / "trace.json"
         write_pack(evidence_dir, out, trace=trace if trace.is_file() else None, repo_root=workload.root, trim=True)
     console.print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
+
+
+def _workload(repo: str, launch: list[str] | None):
+    """The workload of `repo` (a path or a bundled example), in script mode from the launch line after `--` when one
+    is given; WorkloadConfigError when neither says how to run it."""
+    from trainbridge.sandbox.workload import load_workload, workload_for_launch
+
+    root = resolve_repo(repo)
+    return workload_for_launch(root, launch_line(launch)) if launch else load_workload(root)
 
 
 def launch_line(argv: list[str]) -> str:
