@@ -72,6 +72,12 @@ New kinds are added by adding an entry to ``MATCH_KINDS`` (the engine must inter
 
 ``replacement`` is template text with ``$name`` / ``${name}`` placeholders (``$$`` is a literal
 ``$``); every placeholder must be bound by the match.
+
+``also`` lists companion edits: calls the new API needs changed wherever the repository makes them, each an
+expression pattern, its replacement and why (the torch_npu fused optimizers raise on
+``zero_grad(set_to_none=True)`` and keep gradients in one buffer, so their recipes turn every ``$o.zero_grad()``
+into ``$o.zero_grad(set_to_none=False)``). The coder applies them to every tracked Python file of the candidate
+and says in the commit message which lines changed.
 """
 
 from __future__ import annotations
@@ -239,6 +245,25 @@ class RecipeStats(_Model):
         return self
 
 
+class CompanionEdit(_Model):
+    """A call the rewritten API needs changed wherever the repository makes it (the fused NPU optimizer raises on
+    ``zero_grad(set_to_none=True)``, and trains on stale gradients after a module's ``zero_grad()`` sets them to
+    None): an expression rewrite applied to every matching expression of every Python file of the candidate."""
+
+    pattern: str = Field(min_length=1, description="an expression pattern, as match kind 'expression' takes it")
+    alternatives: list[str] = Field(default_factory=list)
+    replacement: str = Field(min_length=1)
+    why: str = Field(min_length=1, description="what the rewritten API needs (said in the commit message)")
+
+    @model_validator(mode="after")
+    def _check_names(self) -> "CompanionEdit":
+        bound = set().union(*(placeholders(text) for text in (self.pattern, *self.alternatives)))
+        unbound = placeholders(self.replacement) - bound
+        if unbound:
+            raise ValueError(f"companion edit replacement uses unbound placeholder(s): {sorted(unbound)}")
+        return self
+
+
 class Recipe(_Model):
     """A rewrite in the knowledge base (see the module docstring for ``match`` and ``replacement``)."""
 
@@ -255,6 +280,8 @@ class Recipe(_Model):
     keywords: list[str] = Field(
         default_factory=list, description="op / kernel names of the regions this rewrites (used for retrieval)"
     )
+    also: list[CompanionEdit] = Field(default_factory=list, description="calls the new API needs changed elsewhere in "
+                                      "the repository (applied with the rewrite, in every Python file of the candidate)")
     requires: list[Literal["torchair"]] = Field(
         default_factory=list, description="what the host must have for the rewrite to run at all (torchair: torch_npu's "
         "TorchAir compiler, on a real NPU host): a run on a host without it does not try the recipe")

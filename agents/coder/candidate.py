@@ -15,7 +15,7 @@ from pydantic import Field
 from trainbridge.knowledge.schema import Recipe
 from trainbridge.records import Intent, Record, SourceSpan
 from trainbridge.agents.coder.semantic_match import apply_semantically, probes
-from trainbridge.tools.codemods.engine import CodemodRefused, apply_recipe
+from trainbridge.tools.codemods.engine import CodemodRefused, apply_companion, apply_recipe
 
 
 class Candidate(Record):
@@ -61,6 +61,29 @@ def commit_message(intent: Intent, recipe: Recipe, sites: list[SourceSpan], note
     return "\n".join(lines)
 
 
+def apply_companions(workspace, root: Path, recipe: Recipe) -> list[str]:
+    """Apply the recipe's companion edits (`Recipe.also`) to every tracked Python file of the candidate worktree at
+    `root`; one note per file changed, for the commit message."""
+    if not recipe.also:
+        return []
+    notes = []
+    for name in workspace.git(root, "ls-files", "-z", "--", "*.py").split("\0"):
+        path = root / name
+        if not name or not path.is_file() or path.is_symlink():
+            continue
+        source = path.read_text(encoding="utf-8", errors="replace")
+        changed, sites, whys = source, [], []
+        for companion in recipe.also:
+            edit = apply_companion(changed, name, companion)
+            if edit is not None:
+                changed, sites, whys = edit.source, sites + edit.sites, whys + edit.notes
+        if changed != source:
+            path.write_text(changed, encoding="utf-8")
+            lines = ", ".join(str(site.line_start) for site in sites)
+            notes.append(f"also changed {name} line(s) {lines}: {'; '.join(dict.fromkeys(whys))}")
+    return notes
+
+
 def make_candidate(workspace, intent: Intent, recipe: Recipe, attempt: int = 0, *, overlay: str | None = None) -> Candidate | CoderRefusal:
     """Apply `recipe` at the first of the intent's spans where it applies; commit; or say why not.
 
@@ -93,6 +116,7 @@ def make_candidate(workspace, intent: Intent, recipe: Recipe, attempt: int = 0, 
             reasons.append(f"the rewritten {span.file} does not compile: {exc}")
             continue
         path.write_text(edit.source, encoding="utf-8")
+        edit.notes.extend(apply_companions(workspace, Path(cand.path), recipe))
         result = workspace.commit_candidate(name, commit_message(intent, recipe, edit.sites, edit.notes))
         if result.sha is None:
             reasons.append("the rewrite left the file unchanged")

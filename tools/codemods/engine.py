@@ -3,11 +3,13 @@
 Formatting and comments outside the rewritten nodes are preserved, imports are added once, nothing
 outside the intent's span changes except the import block, and the engine refuses — with the
 reason and what came close — when the recipe does not match, matches ambiguously, or its
-precondition on the source cannot hold.
+precondition on the source cannot hold. A recipe's companion edits (`Recipe.also`: the calls its new API needs
+changed) are the exception by design: `apply_companion` rewrites them wherever a file makes them.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -15,7 +17,7 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from trainbridge.knowledge.schema import Recipe
+from trainbridge.knowledge.schema import CompanionEdit, Recipe
 from trainbridge.records import SourceSpan
 from trainbridge.tools.codemods import scopes
 from trainbridge.tools.codemods.calls import CallRefused, apply_call
@@ -152,6 +154,35 @@ def _apply_expression(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan
                              "narrow the span or mark the recipe all_in_span")
     replacements = {node: render_expression(recipe.replacement, bindings, module) for node, bindings, _ in finder.found}
     return _replace_nodes(module, replacements), [site for _, _, site in finder.found]
+
+
+def apply_companion(source: str, file: str, edit: CompanionEdit) -> Edit | None:
+    """`source` (the file `file`) with every expression that the companion edit matches rewritten (outermost matches;
+    `Recipe.also`), or None when nothing in it matches or it does not parse."""
+    if not any(all(word in source for word in _words(text)) for text in (edit.pattern, *edit.alternatives)):
+        return None  # a file that cannot match is not parsed (a repository may hold thousands)
+    try:
+        module = cst.parse_module(source)
+        patterns = [parse_expression_pattern(text) for text in (edit.pattern, *edit.alternatives)]
+    except (cst.ParserSyntaxError, PatternError):
+        return None
+    wrapper = MetadataWrapper(module)
+    finder = _ExpressionFinder(patterns, SourceSpan(file=file, line_start=1, line_end=max(1, source.count("\n") + 1)))
+    wrapper.visit(finder)
+    if not finder.found:
+        return None
+    try:
+        replacements = {node: render_expression(edit.replacement, bindings, wrapper.module)
+                        for node, bindings, _ in finder.found}
+    except TemplateError:
+        return None
+    return Edit(source=_replace_nodes(wrapper.module, replacements).code, sites=[site for _, _, site in finder.found],
+                notes=[edit.why])
+
+
+def _words(pattern: str) -> list[str]:
+    """The names a pattern spells out (its `$placeholders` aside): text every match contains."""
+    return re.findall(r"(?<![$\w])[A-Za-z_]\w*", pattern)
 
 
 def _check_helpers(module: cst.Module, found, helpers: dict) -> tuple[list, list[str]]:
