@@ -113,6 +113,9 @@ def test_epoch_loop_with_two_optimizers_and_a_scheduler(tmp_path):
     ("never_steps.py", 'launch = "torchrun --nnodes=2 --nproc_per_node=2 train.py"\n', FailureKind.bad_workload,
      "several nodes (--nnodes=2) are not supported"),  # 2 ranks of one node run (tests/test_script_ranks.py)
     ("hangs_before_step.py", 'launch = "python train.py"\ntimeout_s = 12\n', FailureKind.timeout, "no optimizer step within the 12 s"),
+    # told at once, not after the whole timeout_s (it waited 60 s and blamed its set-up)
+    ("backward_only.py", 'launch = "python train.py"\ntimeout_s = 300\n', FailureKind.bad_workload,
+     "it called backward() but never optimizer.step()"),
 ])
 def test_bad_inputs_fail_with_a_message_saying_what_to_do(tmp_path, script, toml, kind, says):
     repo = script_repo(tmp_path / "repo", script, toml)
@@ -121,6 +124,8 @@ def test_bad_inputs_fail_with_a_message_saying_what_to_do(tmp_path, script, toml
     assert says in result.failure.message
     if script == "never_steps.py" and "missing" not in toml and "torchrun" not in toml:
         assert "eval loss" in result.failure.message  # the script's output tail
+    if script == "backward_only.py":
+        assert result.wall_s < 60, result.wall_s
     if script == "hangs_before_step.py":
         assert "waiting for the data server" in (result.failure.traceback_tail or "")
 

@@ -251,8 +251,16 @@ class StepController:
         self.finished = True
         if self.started and self.stepped:
             self._boundary()
+        elif self.started and self.pending is not None:  # a step was asked and no optimizer stepped: it never ends
+            self.close(self._no_optimizer_step() if self.steps_done == 0 else self._ended_early("the step in flight"))
         elif self.started:
             self._serve()
+
+    def _no_optimizer_step(self) -> dict[str, Any]:
+        return {"kind": "bad_workload", "step": 0,
+                "message": "the script ended without an optimizer step: it called backward() but never optimizer.step() "
+                           "(a step is timed from one optimizer step to the next). Give it a launch line that trains, or a "
+                           "script whose loop steps an optimizer"}
 
     # --- boundaries ----------------------------------------------------------------------------
     def _first_boundary(self) -> None:
