@@ -8,6 +8,8 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import time
+from datetime import datetime
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,14 +94,34 @@ def start_run(config: RunConfig, *, say: Callable[[str], None] = lambda m: None,
 
 
 def resume_run(run_id: str, *, say: Callable[[str], None] = lambda m: None, root: Path | None = None,
-               checkpoint: str | None = None) -> RunOutcome:
+               checkpoint: str | None = None, budget_s: float | None = None) -> RunOutcome:
+    """Continue the run from its last checkpoint. Its budget counts the time it ran, not the time it was down (from
+    its start to its last checkpoint, then on from now); `budget_s` gives it that many seconds from now instead."""
     config, paths = load_config(run_id, root, checkpoint)
     status = run_status(run_id, root, checkpoint)
     if status["waiting_for_review"] is not None:
         return RunOutcome(run_id, False, status["waiting_for_review"], status["state"])
     if status["finished"]:
         return RunOutcome(run_id, True, None, status["state"])
+    now = time.time()
+    if budget_s is not None:
+        config = config.model_copy(update={"budget_s": budget_s, "budget_origin": now})
+        say(f"budget: {budget_s / 60:.1f} min from now")
+    else:
+        used = resume_used_s(status["state"], status.get("checkpoint_at"))
+        config = config.model_copy(update={"budget_origin": now - used})
+        say(f"budget: {used / 60:.1f} of {config.budget_s / 60:.1f} min used before the stop (the time it was down is not "
+            "counted; `resume --budget` gives it a new one)")
     return _invoke(config, paths, None, say)
+
+
+def resume_used_s(state: dict[str, Any], checkpoint_at: float | None) -> float:
+    """How much of its budget a stopped run had used: from its start to its last checkpoint (what ran after that
+    checkpoint is done again, and counted again)."""
+    started = state.get("started_at")
+    if not started or checkpoint_at is None:
+        return 0.0
+    return max(0.0, checkpoint_at - float(started))
 
 
 def answer_review(run_id: str, decision: dict[str, Any], *, say: Callable[[str], None] = lambda m: None,
@@ -118,6 +140,7 @@ def run_status(run_id: str, root: Path | None = None, checkpoint: str | None = N
         snapshot = graph.get_state(_thread(run_id))
     interrupts = [i.value for task in snapshot.tasks for i in task.interrupts]
     return {
+        "checkpoint_at": _timestamp(snapshot.created_at),
         "run_id": run_id,
         "config": config.model_dump(mode="json"),
         "state": dict(snapshot.values),
@@ -127,6 +150,16 @@ def run_status(run_id: str, root: Path | None = None, checkpoint: str | None = N
         "running_pid": lock_holder(paths),
         "failure": last_failure(paths),
     }
+
+
+def _timestamp(iso: str | None) -> float | None:
+    """A checkpoint's `created_at` (ISO 8601) as seconds since the epoch."""
+    if not iso:
+        return None
+    try:
+        return datetime.fromisoformat(iso).timestamp()
+    except ValueError:
+        return None
 
 
 FAILURE_FILE = "failure.json"

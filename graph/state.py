@@ -38,6 +38,9 @@ class RunConfig(BaseModel):
     run_id: str
     target: Literal["cpu", "cuda", "npu"] = "cpu"
     budget_s: float = Field(default=8 * 3600, gt=0, description="wall-clock budget of the whole run")
+    budget_origin: float | None = Field(default=None, description="set by a resume, never saved: the run's elapsed time "
+                                        "counts from this time (the time it was down not counted; `resume --budget` "
+                                        "restarts the clock) instead of from started_at")
     max_candidates: int = Field(default=50, ge=1)
     review: bool = False
     reference_pack: str | None = None

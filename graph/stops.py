@@ -74,11 +74,18 @@ def typical_gate_s(state: dict[str, Any], config) -> float:
     return (min(config.gate_rounds, 6) + 2) * baseline_child_s(state)
 
 
+def elapsed_s(state: dict[str, Any], config) -> float:
+    """The run's time so far against its budget: from its start, or, after a resume, from the resume's origin
+    (`RunConfig.budget_origin`: the time the run was down is not counted)."""
+    origin = getattr(config, "budget_origin", None) or state.get("started_at") or time.time()
+    return time.time() - origin
+
+
 def budget_allows_another(state: dict[str, Any], config) -> bool:
     """Time left for one more candidate as long as the typical one (`typical_gate_s`, the first one included), and
     then for the final comparison (`final_comparison_s`), so a run ends near its budget rather than one gate past
     it."""
-    elapsed = time.time() - (state.get("started_at") or time.time())
+    elapsed = elapsed_s(state, config)
     typical = typical_gate_s(state, config)
     return elapsed + typical + final_comparison_s(state, config, typical) <= config.budget_s
 
@@ -86,8 +93,7 @@ def budget_allows_another(state: dict[str, Any], config) -> bool:
 def limit_reached(state: dict[str, Any], config) -> Stop | None:
     """The first limit that ends the loop now, or None while another candidate may be tried."""
     if not budget_allows_another(state, config):
-        elapsed = time.time() - (state.get("started_at") or time.time())
-        if elapsed > config.budget_s:
+        if elapsed_s(state, config) > config.budget_s:
             return Stop(StopReason.budget_spent, "time budget spent")
         return Stop(StopReason.budget_short, "time budget: not enough left for another candidate")
     if (state.get("candidates_tried") or 0) >= config.max_candidates:

@@ -68,3 +68,30 @@ def test_an_npu_target_on_the_emulation_holds_nothing_back_for_a_closing_compari
     assert stops.limit_reached(state, _config(target="npu", budget_s=780, final_rounds=6, gate_rounds=8)) is None
     monkeypatch.setattr(backends, "npu_emulated", lambda: False)  # a real NPU: the comparison runs and is reserved
     assert stops.final_comparison_s({"phase_times": times}, npu, typical_gate_s=40.0) == 3 * 6 * 3.8 + 64.8
+
+
+def test_a_resumed_run_does_not_count_the_time_it_was_down(monkeypatch):
+    """An 8-hour run killed at hour 2 and resumed the next day has 6 hours left, not none (issue 27)."""
+    from trainbridge.graph import runs
+
+    now = time.time()
+    day_old = {"started_at": now - 26 * 3600}  # started yesterday, checkpointed two hours in
+    config = _config(budget_s=8 * 3600)
+    assert limit_reached(day_old, config).reason is StopReason.budget_spent  # the clock from started_at alone
+    used = runs.resume_used_s(day_old, checkpoint_at=now - 24 * 3600)
+    assert abs(used - 2 * 3600) < 1
+    assert limit_reached(day_old, config.model_copy(update={"budget_origin": now - used})) is None
+    assert runs.resume_used_s({}, checkpoint_at=now) == 0.0 and runs.resume_used_s(day_old, None) == 0.0
+
+    seen = []
+    monkeypatch.setattr(runs, "load_config", lambda run_id, root, checkpoint: (config, None))
+    monkeypatch.setattr(runs, "run_status", lambda run_id, root, checkpoint: {
+        "waiting_for_review": None, "finished": False, "state": day_old, "checkpoint_at": now - 24 * 3600})
+    monkeypatch.setattr(runs, "_invoke", lambda config, paths, payload, say: seen.append(config))
+    said = []
+    runs.resume_run("r", say=said.append)
+    assert abs(seen[0].budget_origin - (time.time() - 2 * 3600)) < 5 and seen[0].budget_s == 8 * 3600
+    assert "120.0 of 480.0 min used before the stop" in said[0]
+    runs.resume_run("r", say=said.append, budget_s=1800)  # `resume --budget 30m`: 30 minutes from now
+    assert seen[1].budget_s == 1800 and abs(seen[1].budget_origin - time.time()) < 5 and "30.0 min from now" in said[1]
+    assert limit_reached(day_old, seen[1]) is None

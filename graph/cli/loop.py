@@ -160,12 +160,14 @@ def _stopping_errors() -> tuple[type[BaseException], ...]:
 
 
 def resume(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run to continue."),
-           checkpoint: Optional[str] = _checkpoint_option()) -> None:
+           checkpoint: Optional[str] = _checkpoint_option(),
+           budget: Optional[str] = typer.Option(None, "--budget", help="A new time budget from now (e.g. 90m, 8h); default: what the run had left when it stopped (the time it was down is not counted).")) -> None:
     """Continue a run that was stopped or killed, from its last checkpoint (here or, with --checkpoint, in Postgres)."""
     from trainbridge.graph.runs import RunError, resume_run
 
+    budget_s = parse_duration(budget, "--budget") if budget is not None else None
     try:
-        outcome = resume_run(run_id, say=_say, checkpoint=_checkpoint_url(checkpoint))
+        outcome = resume_run(run_id, say=_say, checkpoint=_checkpoint_url(checkpoint), budget_s=budget_s)
     except RunError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
