@@ -237,6 +237,28 @@ def route_after_apply_review(state: RunState) -> Literal["coder", "profiler", "d
 # --- profiler ------------------------------------------------------------------------------------
 
 
+class GateProgressLines:
+    """The gate's progress as lines for the operator: the numerics check, then each timing round with the rounds
+    planned so far (the sequential rule may look again later) and the time the planned ones will take at the
+    rounds' mean so far."""
+
+    def __init__(self, say):
+        self.say, self.started = say, time.monotonic()
+        self.timing_since: float | None = None
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if phase == "numerics" and done == 0:
+            self.say("  gate: numerics check (first round)")
+        elif phase == "timing" and done == 0:
+            self.timing_since = now
+            self.say(f"  gate: numerics match; timing {total} paired rounds ({now - self.started:.0f} s so far)")
+        elif phase == "timing" and self.timing_since is not None:
+            per_round = (now - self.timing_since) / done
+            left = max(0, total - done) * per_round
+            self.say(f"  gate: round {done} of {total} planned ({per_round:.1f} s a round; about {left:.0f} s to the next look)")
+
+
 def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     from trainbridge.agents.profiler.judge import judge_candidate, speed_measurable
 
@@ -251,7 +273,8 @@ def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
                               max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain, launch=ctx.config.launch,
                               determinism=state.get("determinism"), sites=candidate.sites,
                               baseline_step_s=state.get("baseline_step_s"),
-                              watched=(ctx.paths.config,))  # the run's settings: hashed over the gate (agents/profiler/tamper.py)
+                              watched=(ctx.paths.config,),  # the run's settings: hashed over the gate (agents/profiler/tamper.py)
+                              on_progress=GateProgressLines(ctx.say))
     return {"node": "profiler", "verdict": verdict.model_dump(mode="json"), "candidates_tried": (state.get("candidates_tried") or 0) + 1,
             PARTS_KEY: dict(verdict.phase_seconds)}
 

@@ -262,3 +262,20 @@ def test_a_verdict_line_keeps_its_figures_and_interval():
     assert line == f"verdict gelu-1: not_significant ({message})"
     long = nodes.verdict_line("c", "numerics_mismatch", "gradient of 'w': cosine 0.9 " * 100)
     assert len(long) < nodes.VERDICT_LINE_CHARS + 80 and long.endswith("... (the report has the rest))")
+
+
+def test_a_gate_says_where_it_is_round_by_round(monkeypatch):
+    """run/resume printed nothing for the minutes of a gate (issue 27): the profiler node passes the gate a
+    progress callback that says the numerics check, then each round with the rounds planned and the time left."""
+    said, clock = [], iter([100.0, 101.0, 110.0, 112.0, 118.0, 124.0])
+    monkeypatch.setattr(nodes.time, "monotonic", lambda: next(clock))
+    progress = nodes.GateProgressLines(said.append)
+    progress("numerics", 0, 2)
+    progress("numerics", 2, 2)
+    progress("timing", 0, 6)
+    progress("timing", 1, 6)
+    progress("timing", 2, 8)
+    assert said == ["  gate: numerics check (first round)",
+                    "  gate: numerics match; timing 6 paired rounds (12 s so far)",
+                    "  gate: round 1 of 6 planned (6.0 s a round; about 30 s to the next look)",
+                    "  gate: round 2 of 8 planned (6.0 s a round; about 36 s to the next look)"]
