@@ -4,8 +4,8 @@ by an interrupt, a fork server or Ray worker whose owner died) neither burns one
 tests after it nor goes unseen. The end of the run prints every leak with its file; the run does not fail on them.
 
 A process is the file's when it started after the file's first test began and it is a descendant of this pytest, or
-its command line or working folder lies in this run's temporary folder, or it is an orphan (its parent is init)
-started from this suite's virtual environment (`sys.prefix`: nothing else ties an orphan to us; another checkout's
+its command line or working folder lies in this run's temporary folder, or it is an orphan (adopted by init, or by a
+subreaper above this pytest) started from this suite's virtual environment (`sys.prefix`: nothing else ties an orphan to us; another checkout's
 suite has another). Linux only (/proc); elsewhere the plugin does nothing.
 """
 
@@ -66,7 +66,7 @@ def _link(pid: int, name: str) -> str:
         return ""
 
 
-def _ours(pid: int, table: dict[int, tuple[int, float]], basetemp: str, prefix: str) -> bool:
+def _ours(pid: int, table: dict[int, tuple[int, float]], basetemp: str, prefix: str, ancestors: set[int]) -> bool:
     seen, cursor = set(), pid
     while cursor in table and cursor not in seen:
         if cursor == os.getpid():
@@ -76,9 +76,11 @@ def _ours(pid: int, table: dict[int, tuple[int, float]], basetemp: str, prefix: 
     command = _command(pid)
     if basetemp and (basetemp in command or _link(pid, "cwd").startswith(basetemp)):
         return True
-    # an orphan of this suite's own interpreter (its virtual environment's path, not the interpreter it links to, which
-    # another checkout's suite or any other program shares)
-    return table[pid][0] in (0, 1) and command.startswith(prefix + os.sep)
+    # an orphan (adopted by init, or by a subreaper above this pytest: a suite that runs this one as a test) of this
+    # suite's own interpreter (its virtual environment's path, not the interpreter it links to, which another
+    # checkout's suite or any other program shares)
+    parent = table[pid][0]
+    return (parent in (0, 1) or parent in ancestors) and command.startswith(prefix + os.sep)
 
 
 def _ancestors() -> set[int]:
@@ -97,8 +99,9 @@ def alive_since(started: float, basetemp: str, prefix: str) -> list[int]:
         if entry.name.isdigit() and (info := _stat(int(entry.name))) is not None:
             table[int(entry.name)] = info
     skip = _ancestors()
+    above = skip - {os.getpid()}
     return sorted(pid for pid, (_, start) in table.items()
-                  if pid not in skip and start >= started and _ours(pid, table, basetemp, prefix))
+                  if pid not in skip and start >= started and _ours(pid, table, basetemp, prefix, above))
 
 
 def _basetemp(config: pytest.Config) -> str:

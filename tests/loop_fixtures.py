@@ -28,6 +28,18 @@ WRONG_RECIPE = "rmsnorm-as-l2-normalize"  # planted: rewrites RMSNorm.forward in
 # What every uninterrupted run of this workload decides, as (category, recipe, accepted, reason) in
 # sorted order (tests/team_support.py's outcome_view): numerics decide the planted recipe, GELU halves the step.
 DECISIONS = sorted([("gelu", GOOD_RECIPE, True, "accepted"), ("rmsnorm", WRONG_RECIPE, False, "numerics_mismatch")])
+# The verdicts of a speed comparison whose numerics passed. The runs that test something other than the gate's power
+# (two gates at once on two cores, a run killed and resumed elsewhere) hold GELU to one of these, not to "accepted":
+# two concurrent slots read its gain at 0.79 where one reads 0.44, and one full-suite run (and CI, twice) read it not
+# significant or slower there. tests/test_loop.py's reference run holds it to DECISIONS.
+TIMING_REASONS = ("accepted", "not_significant", "slower")
+
+
+def decided_by_construction(view: list[tuple]) -> bool:
+    """`view` (team_support.outcome_view) decides what the workload decides by construction: the planted recipe
+    rejected for its numerics, and GELU judged on speed with its numerics passed (accepted or not, consistently)."""
+    return (len(view) == 2 and view[1] == DECISIONS[1] and view[0][:2] == DECISIONS[0][:2]
+            and view[0][3] in TIMING_REASONS and view[0][2] == (view[0][3] == "accepted"))
 USER_NAME, USER_EMAIL = "Loop Tester", "loop-tester@example.com"
 
 

