@@ -8,6 +8,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import time
 from datetime import datetime
 from contextlib import contextmanager
@@ -132,6 +133,46 @@ def answer_review(run_id: str, decision: dict[str, Any], *, say: Callable[[str],
         raise RunError(f"run {run_id!r} is not waiting for a review (last node: {status['state'].get('node')})")
     validated = ReviewDecision.model_validate(decision).model_dump(mode="json", by_alias=True)
     return _invoke(config, paths, Command(resume=validated), say)
+
+
+@dataclass
+class Removal:
+    """What `remove_run` removed (the git layer's record, or None when the repository is gone) and the run folder."""
+
+    run_id: str
+    git: Any
+    folder: Path
+    notes: list[str]
+
+
+def remove_run(run_id: str, root: Path | None = None) -> Removal:
+    """Remove a run of this machine: its worktrees, its branches (`trainbridge/<run-id>` and the names under it; a
+    branch a checkout of the user's holds stays, and is named) and its folder (settings, checkpoints, report). Refused
+    while a process runs it. The user's own branches, checkout and uncommitted work are never touched; a run
+    checkpointed in Postgres keeps its rows there."""
+    from trainbridge.tools.git.ops import RunWorkspace, open_repo
+
+    paths = RunPaths(run_id, root)
+    if not paths.config.is_file():
+        known = sorted(p.name for p in (root or runs_root()).glob("*") if (p / "run.json").is_file())
+        raise RunError(f"no run {run_id!r} under {(root or runs_root())} (known: {', '.join(known) or 'none'})")
+    holder = lock_holder(paths)
+    if holder is not None:
+        raise RunError(f"run {run_id!r} is running (pid {holder}): stop it first (Ctrl-C, or kill {holder}), then remove it")
+    config = RunConfig.model_validate_json(paths.config.read_text(encoding="utf-8"))
+    notes: list[str] = []
+    removed = None
+    try:
+        repo = open_repo(Path(config.repo))
+    except Exception as exc:  # noqa: BLE001 - a repository moved or deleted since: only the folder is left to remove
+        notes.append(f"the repository {config.repo} cannot be opened ({exc}): no branch or worktree removed")
+    else:
+        root_dir = Path(config.workspace_dir) if config.workspace_dir else paths.workspace
+        removed = RunWorkspace(repo, run_id, root_dir).remove_run()
+    if config.checkpoint:
+        notes.append("its checkpoints in the Postgres database stay (the team's record); only this machine's copy goes")
+    shutil.rmtree(paths.dir, ignore_errors=True)
+    return Removal(run_id=run_id, git=removed, folder=paths.dir, notes=notes)
 
 
 def run_status(run_id: str, root: Path | None = None, checkpoint: str | None = None) -> dict[str, Any]:

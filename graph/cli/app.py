@@ -2,7 +2,7 @@
 
     workload.py           measure, analyze, collect-evidence (one workload, no loop)
     init.py               init (find the launch line, write trainbridge.toml)
-    loop.py               run, resume, status, review, report, demo, verify
+    loop.py               run, resume, status, rm, review, report, demo, verify
     serve.py              serve (and `run/review --server`)
     knowledge/cli.py      kb ...
     tools/porting/cli.py  port
@@ -49,6 +49,7 @@ def build_app() -> typer.Typer:
     app.command("run")(loop.run)
     app.command("resume")(loop.resume)
     app.command("status")(loop.status)
+    app.command("rm")(loop.remove)
     app.command("review")(loop.review_cmd)
     app.command("report")(loop.report_cmd)
     app.command("demo")(loop.demo)

@@ -122,7 +122,8 @@ def run(
         _error(str(exc))
         raise typer.Exit(2) from None
     except _stopping_errors() as exc:
-        _error(f"run {name} stopped: {exc}\n(fix the cause, then: trainbridge resume {name})")
+        _error(f"run {name} stopped: {exc}\n(fix the cause, then: trainbridge resume {name}; or remove the run, its branches "
+               f"and worktrees: trainbridge rm {name})")
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         _error(f"run {name} interrupted; its last checkpoint is kept: continue it with `trainbridge resume {name}`")
@@ -142,7 +143,7 @@ def run_condition(info: dict, run_id: str) -> str:
     failure = info.get("failure")
     if failure:
         return (f"failed at {', '.join(failure.get('node') or info['next']) or 'its start'} ({failure.get('type')}: "
-                f"{failure.get('error')}); fix the cause, then {resume}")
+                f"{failure.get('error')}); fix the cause, then {resume}, or remove it with `trainbridge rm {run_id}`")
     if not info["state"]:
         return f"stopped before its first step; continue with {resume}"
     return f"stopped; next: {', '.join(info['next'])}; continue with {resume}"
@@ -178,6 +179,31 @@ def resume(run_id: str = typer.Argument(..., callback=valid_run_id, help="The ru
         _error(f"run {run_id} interrupted; its last checkpoint is kept: continue it with `trainbridge resume {run_id}`")
         raise
     _report_outcome(outcome)
+
+
+def remove(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run to remove."),
+           yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask.")) -> None:
+    """Remove a run: its worktrees, its trainbridge/<run-id> branches and its folder (settings, checkpoints, report).
+
+    Never touches your own branches, checkout or uncommitted work; a run branch you have checked out stays (named). Refused while the run is running.
+    """
+    from trainbridge.graph.runs import RunError, remove_run
+
+    if not yes and not typer.confirm(f"Remove run {run_id} (its branches, worktrees and report)?", default=False):
+        raise typer.Exit(1)
+    try:
+        removal = remove_run(run_id)
+    except RunError as exc:
+        _error(str(exc))
+        raise typer.Exit(2) from None
+    if removal.git is not None:
+        _say(f"removed {len(removal.git.removed_worktrees)} worktree(s) and {len(removal.git.removed_branches)} branch(es)"
+             + (f": {', '.join(removal.git.removed_branches)}" if removal.git.removed_branches else ""))
+        for branch, why in removal.git.kept_branches.items():
+            _say(f"kept {branch}: {why} (switch that checkout to another branch, then `git branch -D {branch}`)")
+    for note in removal.notes:
+        _say(f"note: {note}")
+    _say(f"removed {removal.folder}")
 
 
 def status(run_id: Optional[str] = typer.Argument(None, callback=valid_run_id, help="A run (default: list all runs)."),

@@ -69,3 +69,12 @@ class PushResult(Record):
 class CleanupResult(Record):
     removed_worktrees: list[Path]
     kept_branches: list[str]
+
+
+class RemovalResult(Record):
+    """What `RunWorkspace.remove_run` removed, and the run branches it left because a checkout of the user's holds
+    them."""
+
+    removed_worktrees: list[Path]
+    removed_branches: list[str]
+    kept_branches: dict[str, str]  # branch -> why it stays

@@ -39,6 +39,7 @@ from trainbridge.tools.git.records import (
     CandidateWorkspace,
     CleanupResult,
     CommitResult,
+    RemovalResult,
     PushResult,
     RejectResult,
     RunInfo,
@@ -284,9 +285,26 @@ class RunWorkspace:
             for folder in (self.root / "candidates", self.root / "branches"):
                 with contextlib.suppress(OSError):
                     folder.rmdir()
-            refs = run_git(self.repo.root, "for-each-ref", "--format=%(refname:short)", f"refs/heads/{self.branch}",
-                        f"refs/heads/{self.branch}.*", f"refs/heads/{self.branch}.*/*").split()
-            return CleanupResult(removed_worktrees=removed, kept_branches=sorted(set(refs)))
+            return CleanupResult(removed_worktrees=removed, kept_branches=self._run_branches())
+
+    def remove_run(self) -> RemovalResult:
+        """Remove every worktree of this run and every branch of it (`trainbridge/<run-id>` and the names under it),
+        except a branch that a checkout of the user's has checked out (kept, and said why). Never another branch."""
+        removed = self.cleanup().removed_worktrees
+        held = {w.ref.removeprefix("refs/heads/"): w.path for w in worktrees(self.repo.root) if w.ref}
+        gone, kept = [], {}
+        for branch in self._run_branches():
+            if branch in held:
+                kept[branch] = f"checked out at {held[branch]}"
+                continue
+            self.update_ref(branch, None, self.ref_sha(branch) or "", f"trainbridge rm {self.run_id}")
+            gone.append(branch)
+        return RemovalResult(removed_worktrees=removed, removed_branches=gone, kept_branches=kept)
+
+    def _run_branches(self) -> list[str]:
+        refs = run_git(self.repo.root, "for-each-ref", "--format=%(refname:short)", f"refs/heads/{self.branch}",
+                       f"refs/heads/{self.branch}.*", f"refs/heads/{self.branch}.*/*").split()
+        return sorted(set(refs))
 
     @property
     def head_sha(self) -> str:
