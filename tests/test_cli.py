@@ -30,6 +30,14 @@ def test_measure_prints_a_table_and_writes_json(tmp_path):
     assert len(payload["step_times_s"]) == 2 and payload["failure"] is None
 
 
+def test_json_to_stdout_is_all_that_stdout_holds():
+    """Issue 27: `--json -` printed the table before the JSON, so stdout did not parse."""
+    result = trainbridge("measure", str(WORKLOADS / "tiny"), "--steps", "2", "--json", "-")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)  # nothing else on stdout
+    assert len(payload["step_times_s"]) == 2 and "median step" in result.stderr  # the table went to stderr
+
+
 def test_a_program_that_imports_torch_npu_is_measured_on_the_npu_backend_and_says_where(tmp_path):
     """Issue 25: `measure` of a ported program stopped at `No module named 'torch_npu'` (the CPU backend), with no
     word of the emulation that `run --target npu` uses."""

@@ -23,8 +23,11 @@ from trainbridge.sandbox.results import RunResult
 from trainbridge.sandbox.workload import WorkloadConfigError
 
 
-def _stdout() -> Console:
-    """Tables go to stdout, wide enough to read when piped."""
+def _stdout(json_out: Path | None = None) -> Console:
+    """Tables go to stdout, wide enough to read when piped; to stderr when stdout carries the JSON (`--json -`), so
+    that stdout holds the JSON and nothing else."""
+    if json_out is not None and str(json_out) == "-":
+        return Console(stderr=True, width=None if sys.stderr.isatty() else 200)
     return Console(width=None if sys.stdout.isatty() else 200)
 
 
@@ -78,7 +81,7 @@ def measure(
     with _progress() as progress:
         task = progress.add_task(f"measuring {workload.root.name}", total=workload.config.warmup_steps + workload.config.steps)
         result = run_workload(workload, backend=backend, on_progress=lambda done, total: progress.update(task, completed=done, total=total))
-    _print_result(workload.root, result)
+    _print_result(workload.root, result, _stdout(json_out))
     if json_out is not None:
         _write_json(json_out, json.dumps({"repo": str(workload.root), **result.model_dump(mode="json")}, indent=2))
     if not result.ok:
@@ -119,7 +122,7 @@ def analyze(
         except AnalysisError as exc:
             _error(str(exc))
             raise typer.Exit(1) from None
-    _stdout().print(intents_table(analysis.intents, f"{workload.root.name}: {len(analysis.intents)} intents ({analysis.mode})"))
+    _stdout(json_out).print(intents_table(analysis.intents, f"{workload.root.name}: {len(analysis.intents)} intents ({analysis.mode})"))
     phases = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in analysis.phase_seconds.items())
     console.print(f"phases: {phases}", soft_wrap=True)
     if analysis.reference_source:
@@ -190,7 +193,7 @@ def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
 
 
-def _print_result(root: Path, result: RunResult) -> None:
+def _print_result(root: Path, result: RunResult, out: Console) -> None:
     table = Table(title=f"{root.name} on {result.backend} ({result.threads} threads, seed {result.seed})", show_header=True)
     table.add_column("measure")
     table.add_column("value", justify="right")
@@ -209,7 +212,7 @@ def _print_result(root: Path, result: RunResult) -> None:
         table.add_row("peak memory", f"{result.peak_memory_bytes / 2**20:.0f} MiB")
     table.add_row("network", "isolated" if result.network_isolated else "not isolated")
     table.add_row("torch", result.versions.get("torch", "?"))
-    _stdout().print(table)
+    out.print(table)
     if result.failure is not None:
         _error(f"failed ({result.failure.kind}): {result.failure.message}")
         if result.failure.traceback_tail:
