@@ -3,6 +3,7 @@ taking it), waiting for review, finished, failed (what stopped it, and where) or
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -53,3 +54,18 @@ def test_a_run_whose_baseline_fails_reads_failed_with_its_cause_and_a_held_lock_
     shown = subprocess.run([sys.executable, "-m", "trainbridge", "status"], capture_output=True, text=True, timeout=300,
                            env={**os.environ, "TRAINBRIDGE_HOME": str(home)})
     assert shown.returncode == 0 and shown.stdout.startswith("broken: failed at "), shown.stdout + shown.stderr
+    listed = subprocess.run([sys.executable, "-m", "trainbridge", "status", "--json"], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "TRAINBRIDGE_HOME": str(home)})
+    (record,) = json.loads(listed.stdout)  # JSON and nothing else on stdout
+    assert record["run_id"] == "broken" and record["condition"].startswith("failed at ") and record["finished"] is False
+    one = subprocess.run([sys.executable, "-m", "trainbridge", "status", "broken", "--json"], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "TRAINBRIDGE_HOME": str(home)})
+    assert json.loads(one.stdout)["failure"]["type"] == type(stopped.value).__name__
+
+
+def test_the_status_line_multiplies_ratios_and_says_the_speedup_apart():
+    from trainbridge.graph.cli.loop import status_record
+
+    info = {"state": {"accepted": [{"ratio": 0.8}, {"ratio": 1.11}], "baseline_step_s": 0.01}, "finished": True,
+            "waiting_for_review": None, "next": [], "failure": None}
+    assert abs(status_record(info, "r")["accepted_ratio_product"] - 0.888) < 1e-9  # not 1/0.888 as the product

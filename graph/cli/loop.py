@@ -207,7 +207,8 @@ def remove(run_id: str = typer.Argument(..., callback=valid_run_id, help="The ru
 
 
 def status(run_id: Optional[str] = typer.Argument(None, callback=valid_run_id, help="A run (default: list all runs)."),
-           checkpoint: Optional[str] = _checkpoint_option()) -> None:
+           checkpoint: Optional[str] = _checkpoint_option(),
+           json_out: bool = typer.Option(False, "--json", help="Print the status as JSON on stdout (a list of them without a run id), and nothing else.")) -> None:
     """Where a run stands: current node, intents done/left, candidates, accepted speedup so far (a served run: asked of its server)."""
     from trainbridge.graph.runs import run_status, summary_line
     from trainbridge.graph.state import runs_root
@@ -223,28 +224,52 @@ def status(run_id: Optional[str] = typer.Argument(None, callback=valid_run_id, h
             except CheckpointError as exc:
                 _error(str(exc))
                 raise typer.Exit(2) from None
+        listed = []
         for name in runs:
             try:
                 info = served_run_status(name, url) or run_status(name, checkpoint=url)
-                print(f"{name}: {run_condition(info, name)}; {summary_line(info['state'])}")
+                listed.append(status_record(info, name))
+                if not json_out:
+                    print(f"{name}: {run_condition(info, name)}; {summary_line(info['state'])}")
             except Exception as exc:  # one broken run must not hide the others
-                print(f"{name}: unreadable ({exc})")
-        if not runs:
+                listed.append({"run_id": name, "condition": f"unreadable ({exc})"})
+                if not json_out:
+                    print(f"{name}: unreadable ({exc})")
+        if json_out:
+            print(json.dumps(listed, indent=2, default=str))
+        elif not runs:
             print(f"no runs under {runs_root()}")
         return
     info = _status_of(run_id, url)
-    state = info["state"]
-    baseline = state.get("baseline_step_s")
-    accepted = state.get("accepted") or []
-    speedup = 1.0
-    for record in accepted:
-        speedup /= record.get("ratio") or 1.0
-    print(f"run {run_id}: {run_condition(info, run_id)}")
+    record = status_record(info, run_id)
+    if json_out:
+        print(json.dumps(record, indent=2, default=str))
+        return
+    print(f"run {run_id}: {record['condition']}")
     if info.get("server"):
         print(f"served by the LangGraph server at {info['server']} (thread {info['thread_id']})")
-    print(summary_line(state))
-    if baseline:
-        print(f"baseline step {baseline * 1000:.1f} ms; accepted commits' gate ratios multiply to {speedup:.3f}x (measured per commit)")
+    print(summary_line(info["state"]))
+    if record["baseline_step_s"]:
+        product = record["accepted_ratio_product"]
+        print(f"baseline step {record['baseline_step_s'] * 1000:.1f} ms; accepted commits' gate ratios multiply to "
+              f"{product:.3f} ({1 / product:.2f}x faster, each measured per commit against the head before it)")
+
+
+def status_record(info: dict, run_id: str) -> dict:
+    """A run's status as one JSON-ready record (`status --json`)."""
+    state = info["state"]
+    accepted = state.get("accepted") or []
+    product = 1.0
+    for record in accepted:
+        product *= record.get("ratio") or 1.0
+    done = set(state.get("done_intents") or [])
+    return {"run_id": run_id, "condition": run_condition(info, run_id), "finished": info.get("finished"),
+            "waiting_for_review": info.get("waiting_for_review") is not None, "running_pid": info.get("running_pid"),
+            "failure": info.get("failure"), "next": info.get("next"), "node": state.get("node"),
+            "baseline_step_s": state.get("baseline_step_s"), "candidates_tried": state.get("candidates_tried") or 0,
+            "intents_left": len([i for i in state.get("intents") or [] if i["id"] not in done]),
+            "accepted": [{k: a.get(k) for k in ("candidate", "recipe_id", "sha", "ratio")} for a in accepted],
+            "accepted_ratio_product": product}
 
 
 def _status_of(run_id: str, checkpoint: Optional[str]) -> dict:
