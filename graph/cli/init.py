@@ -30,7 +30,7 @@ def init(
 ) -> None:
     """Find the training script and its launch line, and write a commented trainbridge.toml.
 
-    Looks at README/markdown code blocks, shell scripts, and Python files that run as a script, build an optimizer and call .backward() (read, never run); ranks what it finds and prints why. The toml gets `launch = "..."`, the git-ignored data paths the script reads (`data = [...]`), and a commented [overrides] table with the settings one could shrink. Exit code 1 when no training script is found, 2 for bad input.
+    Looks at README/markdown code blocks, shell scripts, and Python files that run as a script, build an optimizer and call .backward() (read, never run); ranks what it finds and prints why. The toml gets `launch = "..."`, the git-ignored data paths the script reads (`data = [...]`), and a commented \\[overrides] table with the settings one could shrink. Exit code 1 when no training script is found, 2 for bad input.
     """
     root = repo.expanduser()
     if not root.is_dir():
