@@ -47,7 +47,14 @@ def open_directory(path: str | Path | None) -> tuple[Any, str]:
             f"cannot create the knowledge base directory {directory}: {exc.strerror}; "
             "pass another one (--kb-dir or TRAINBRIDGE_KB_DIR)"
         ) from None
-    return chromadb.PersistentClient(path=str(directory), settings=client_settings()), str(directory)
+    try:
+        return chromadb.PersistentClient(path=str(directory), settings=client_settings()), str(directory)
+    except Exception as exc:  # noqa: BLE001 - chromadb's own errors (a damaged or foreign database) name no remedy
+        raise KnowledgeBaseError(
+            f"the knowledge base at {directory} cannot be opened ({type(exc).__name__}: {str(exc)[:300]}): its database "
+            "is damaged or not Chroma's. Move the folder aside (its outcomes are lost unless you have an export: "
+            "`trainbridge kb export`) and run again to start a fresh one, or pass another with --kb-dir"
+        ) from None
 
 
 def connect_server(url: str, headers: dict[str, str] | None = None) -> tuple[Any, str]:

@@ -91,6 +91,16 @@ def test_cli_bad_import_file_and_url_from_environment(tmp_path, monkeypatch):
     assert from_env.exit_code == 1 and f"cannot reach the Chroma server at {dead}" in from_env.output
 
 
+def test_a_damaged_knowledge_base_is_named_with_what_to_do(tmp_path):
+    """Issue 27: a corrupt knowledge-base folder gave a 130-line traceback."""
+    kbdir = tmp_path / "kb"
+    kbdir.mkdir()
+    (kbdir / "chroma.sqlite3").write_text("not a database\n")
+    damaged = invoke("list", "--kb-dir", str(kbdir))
+    assert damaged.exit_code == 1 and "Traceback" not in damaged.output
+    assert f"the knowledge base at {kbdir} cannot be opened" in damaged.output and "Move the folder aside" in damaged.output
+
+
 # --------------------------------------------------------------------------------------------
 # a real Chroma server
 
