@@ -115,3 +115,16 @@ def test_version_and_bad_run_options_get_one_line_naming_the_option(tmp_path):
     assert "pydantic" not in bad_gain.output and "validation error" not in bad_gain.output
     bad_budget = runner.invoke(app, ["run", str(tmp_path), "--budget", "banana"], terminal_width=200)
     assert bad_budget.exit_code == 2 and "Invalid value for --budget: 'banana' is not a duration" in bad_budget.output
+
+
+def test_noisy_step_times_get_a_word_and_steady_ones_none():
+    """Issue 27: `measure` printed p10/p90 of 2854/9375 ms without a word about a busy machine."""
+    from trainbridge.graph.cli.workload import busy_note
+    from trainbridge.sandbox.results import RunResult
+
+    noisy = RunResult(mode="entry", backend="cpu", device="cpu", seed=0, threads=2, warmup_steps=1, step_times_s=[2.8, 2.9, 9.4, 9.3, 3.0])
+    note = busy_note(noisy, load=5.2, cores=2)
+    assert note.startswith("the step times varied a lot (p90 is 3.") and "load average 5.2 on 2 cores" in note
+    assert "busy" not in busy_note(noisy, load=0.5, cores=2)
+    steady = RunResult(mode="entry", backend="cpu", device="cpu", seed=0, threads=2, warmup_steps=1, step_times_s=[1.0, 1.05, 1.1, 0.98])
+    assert busy_note(steady, load=5.2, cores=2) is None

@@ -224,3 +224,25 @@ def _print_result(root: Path, result: RunResult, out: Console) -> None:
             console.print("[green]ok[/]: trained on the emulated npu (no NPU here): speed unmeasured")
         else:
             console.print("[green]ok[/]: speed measured on this machine's " + result.backend)
+            note = busy_note(result)
+            if note:
+                console.print(f"note: {note}", soft_wrap=True, markup=False)
+
+
+NOISY_SPREAD = 1.5  # p90 / p10 of the measured steps past which the figures are called noisy
+
+
+def busy_note(result: RunResult, load: float | None = None, cores: int | None = None) -> str | None:
+    """A word on noisy step times (p90 more than `NOISY_SPREAD` x p10), with the machine's load when it is busy."""
+    if len(result.step_times_s) < 3:
+        return None
+    p10, p90 = result.quantile_step_s(0.1), result.quantile_step_s(0.9)
+    if p10 <= 0 or p90 / p10 <= NOISY_SPREAD:
+        return None
+    import os
+
+    load = os.getloadavg()[0] if load is None else load
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    busy = f"; the machine is busy (load average {load:.1f} on {cores} cores)" if load > cores else ""
+    return (f"the step times varied a lot (p90 is {p90 / p10:.1f}x p10){busy}: measure again on a quiet machine, "
+            "or with more --steps, before trusting the median")
