@@ -264,6 +264,7 @@ def _invoke(config: RunConfig, paths: RunPaths, payload: Any, say: Callable[[str
         confinement_notes(config)
     except RunInputError as exc:
         raise RunError(str(exc)) from None
+    say = logged(say, paths.dir / LOG_FILE)
     context = RunContext(config=config, paths=paths, say=say, llm=LLMConfig.from_env(os.environ))
     try:
         run_held = database_run_lock(config.checkpoint, config.run_id)  # across machines (Postgres); the flock: this one
@@ -283,6 +284,22 @@ def _invoke(config: RunConfig, paths: RunPaths, payload: Any, say: Callable[[str
     interrupts = result.get("__interrupt__") if isinstance(result, dict) else None
     waiting = interrupts[0].value if interrupts else None
     return RunOutcome(config.run_id, finished=not snapshot.next, waiting_for_review=waiting, state=dict(snapshot.values))
+
+
+LOG_FILE = "run.log"  # in the run's folder: every line the run said, with the time, across its starts and resumes
+
+
+def logged(say: Callable[[str], None], path: Path) -> Callable[[str], None]:
+    """`say`, with every line also appended to the run's log file (kept when the terminal is gone)."""
+    def both(message: str) -> None:
+        say(message)
+        try:
+            with path.open("a", encoding="utf-8") as log:
+                log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+        except OSError:
+            pass  # a full disk must not stop the run; the terminal still has the line
+
+    return both
 
 
 def _record_failure(paths: RunPaths, graph, run_id: str, exc: Exception) -> None:

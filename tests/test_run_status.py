@@ -38,6 +38,8 @@ def test_a_run_whose_baseline_fails_reads_failed_with_its_cause_and_a_held_lock_
         start_run(config, root=home / "runs")
     info = run_status("broken", root=home / "runs")
     assert info["running_pid"] is None and not info["finished"]
+    log = (home / "runs" / "broken" / "run.log").read_text()  # what the run said, kept in its folder
+    assert "baseline" in log and log.splitlines()[0][:4].isdigit(), log
     assert info["failure"]["type"] == type(stopped.value).__name__ and info["failure"]["error"][:60] in str(stopped.value)
 
     from trainbridge.graph.cli.loop import run_condition
