@@ -76,7 +76,11 @@ def test_planted_cheat_is_rejected_with_its_reason(tmp_path, cheat):
     try:
         verdict = run_gate(load_workload(baseline), load_workload(candidate), rounds=2, max_rounds=2, rng=random.Random(7))
         assert not verdict.accepted, verdict.message
-        if expect == "not_accepted":
+        if "|" in expect:  # a prevented attempt that may still be caught at what is left of it (its polling's CPU)
+            allowed = {reason for part in expect.split("|")
+                       for reason in (NOT_ACCEPTED if part == "not_accepted" else {VerdictReason(part)})}
+            assert verdict.reason in allowed, f"{cheat.stem}: got {verdict.reason}: {verdict.message}"
+        elif expect == "not_accepted":
             assert verdict.reason in NOT_ACCEPTED, verdict.message
         else:
             assert verdict.reason == VerdictReason(expect), f"{cheat.stem}: got {verdict.reason}: {verdict.message}"
@@ -120,7 +124,8 @@ def test_every_cheat_names_its_class_and_expectation():
         assert needed in classes, needed
     for cheat in CHEATS:
         for expect in {_expected(cheat, False), _expected(cheat, True)}:
-            assert expect == "not_accepted" or expect in VerdictReason.__members__, (cheat.name, expect)
+            for part in expect.split("|"):
+                assert part == "not_accepted" or part in VerdictReason.__members__, (cheat.name, expect)
 
 
 SNIFFER = '''
