@@ -104,6 +104,7 @@ def resume_run(run_id: str, *, say: Callable[[str], None] = lambda m: None, root
         return RunOutcome(run_id, False, status["waiting_for_review"], status["state"])
     if status["finished"]:
         return RunOutcome(run_id, True, None, status["state"])
+    say = logged(say, paths.dir / LOG_FILE)  # the budget line below belongs in the run's log too
     now = time.time()
     if budget_s is not None:
         config = config.model_copy(update={"budget_s": budget_s, "budget_origin": now})
@@ -290,7 +291,11 @@ LOG_FILE = "run.log"  # in the run's folder: every line the run said, with the t
 
 
 def logged(say: Callable[[str], None], path: Path) -> Callable[[str], None]:
-    """`say`, with every line also appended to the run's log file (kept when the terminal is gone)."""
+    """`say`, with every line also appended to the run's log file (kept when the terminal is gone); `say` itself when
+    it already logs there."""
+    if getattr(say, "logs_to", None) == path:
+        return say
+
     def both(message: str) -> None:
         say(message)
         try:
@@ -299,6 +304,7 @@ def logged(say: Callable[[str], None], path: Path) -> Callable[[str], None]:
         except OSError:
             pass  # a full disk must not stop the run; the terminal still has the line
 
+    both.logs_to = path  # type: ignore[attr-defined]
     return both
 
 
@@ -314,9 +320,14 @@ def _record_failure(paths: RunPaths, graph, run_id: str, exc: Exception) -> None
     tmp.replace(paths.dir / FAILURE_FILE)
 
 
+def intents_left(state: dict[str, Any]) -> int:
+    done = set(state.get("done_intents") or [])
+    return len([i for i in state.get("intents") or [] if i["id"] not in done])
+
+
 def summary_line(state: dict[str, Any]) -> str:
     accepted = state.get("accepted") or []
-    return (f"node {state.get('node')}, intents left {len([i for i in state.get('intents', []) if i['id'] not in state.get('done_intents', [])])}, "
+    return (f"node {state.get('node')}, intents left {intents_left(state)}, "
             f"candidates tried {state.get('candidates_tried') or 0}, accepted {len(accepted)}")
 
 

@@ -70,7 +70,7 @@ def test_an_npu_target_on_the_emulation_holds_nothing_back_for_a_closing_compari
     assert stops.final_comparison_s({"phase_times": times}, npu, typical_gate_s=40.0) == 3 * 6 * 3.8 + 64.8
 
 
-def test_a_resumed_run_does_not_count_the_time_it_was_down(monkeypatch):
+def test_a_resumed_run_does_not_count_the_time_it_was_down(monkeypatch, tmp_path):
     """An 8-hour run killed at hour 2 and resumed the next day has 6 hours left, not none (issue 27)."""
     from trainbridge.graph import runs
 
@@ -84,7 +84,9 @@ def test_a_resumed_run_does_not_count_the_time_it_was_down(monkeypatch):
     assert runs.resume_used_s({}, checkpoint_at=now) == 0.0 and runs.resume_used_s(day_old, None) == 0.0
 
     seen = []
-    monkeypatch.setattr(runs, "load_config", lambda run_id, root, checkpoint: (config, None))
+    paths = runs.RunPaths("r", tmp_path)
+    paths.dir.mkdir()
+    monkeypatch.setattr(runs, "load_config", lambda run_id, root, checkpoint: (config, paths))
     monkeypatch.setattr(runs, "run_status", lambda run_id, root, checkpoint: {
         "waiting_for_review": None, "finished": False, "state": day_old, "checkpoint_at": now - 24 * 3600})
     monkeypatch.setattr(runs, "_invoke", lambda config, paths, payload, say: seen.append(config))

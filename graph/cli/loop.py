@@ -262,12 +262,13 @@ def status_record(info: dict, run_id: str) -> dict:
     product = 1.0
     for record in accepted:
         product *= record.get("ratio") or 1.0
-    done = set(state.get("done_intents") or [])
+    from trainbridge.graph.runs import intents_left
+
     return {"run_id": run_id, "condition": run_condition(info, run_id), "finished": info.get("finished"),
             "waiting_for_review": info.get("waiting_for_review") is not None, "running_pid": info.get("running_pid"),
             "failure": info.get("failure"), "next": info.get("next"), "node": state.get("node"),
             "baseline_step_s": state.get("baseline_step_s"), "candidates_tried": state.get("candidates_tried") or 0,
-            "intents_left": len([i for i in state.get("intents") or [] if i["id"] not in done]),
+            "intents_left": intents_left(state),
             "accepted": [{k: a.get(k) for k in ("candidate", "recipe_id", "sha", "ratio")} for a in accepted],
             "accepted_ratio_product": product}
 

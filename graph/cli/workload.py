@@ -6,6 +6,7 @@ Mounted on the root app by graph/cli/app.py. Nothing here runs at import time.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -239,8 +240,6 @@ def busy_note(result: RunResult, load: float | None = None, cores: int | None = 
     p10, p90 = result.quantile_step_s(0.1), result.quantile_step_s(0.9)
     if p10 <= 0 or p90 / p10 <= NOISY_SPREAD:
         return None
-    import os
-
     load = os.getloadavg()[0] if load is None else load
     cores = (os.cpu_count() or 1) if cores is None else cores
     busy = f"; the machine is busy (load average {load:.1f} on {cores} cores)" if load > cores else ""

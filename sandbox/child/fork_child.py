@@ -52,35 +52,10 @@ PRELOAD = ("torch", "torch._dynamo", "torch.optim", "trainbridge.sandbox.harness
 PROGRAMS = {"harness": "trainbridge.sandbox.harness", "region_bench": "trainbridge.sandbox.region_bench"}
 PREWARM_ENV = "TRAINBRIDGE_FORK_PREWARM"  # "inductor": the server also readies Inductor's compile stack once
 INDUCTOR_PRELOAD = ("torch._inductor.compile_fx", "torch._inductor.codecache", "torch._functorch.aot_autograd")
-_CLONE_NEWNS = 0x00020000
-_MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
 _FDS = ("command", "reply", "stdout", "stderr")
 CONFINE_FAILED = 125  # a forked child's exit code when it could not confine itself (it ran nothing)
 CHILD_NAME = "tb-harness"  # a forked child's name in /proc/PID/comm and `ps -o comm` (its cmdline stays the server's)
 _PR_SET_NAME = 15
-
-
-def private_shm() -> bool:
-    """A new mount namespace with an empty tmpfs on /dev/shm (needs CAP_SYS_ADMIN, e.g. root or a
-    user namespace); False, and nothing changed, where the host refuses."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        if libc.unshare(_CLONE_NEWNS) != 0:
-            return False
-        if libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
-            return False
-        return libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=1777") == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _probe_private_shm() -> bool:
-    """Whether children will get a private /dev/shm: tried once in a throw-away child."""
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0 if private_shm() else 1)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 0
 
 
 def name_process(name: str) -> bool:
@@ -112,7 +87,7 @@ def become_child(request: dict, fds: list[int]) -> None:
                 os.write(fds[3], f"this forked child could not confine itself ({exc}); nothing of the workload ran\n".encode())
                 os._exit(CONFINE_FAILED)
         else:
-            private_shm()
+            self_confinement.private_shm()
         if not signal_filter.install():
             print("note: no seccomp signal filter on this host: this forked child could stop or trace other processes "
                   "(the gate still watches for it)", file=sys.stderr, flush=True)
@@ -229,7 +204,7 @@ def serve(sock: socket.socket) -> None:
             ready["prewarm_error"] = f"{type(exc).__name__}: {exc}"[:500]
     sys.stdout.flush()
     sys.stderr.flush()
-    ready["private_shm"] = _probe_private_shm()
+    ready["private_shm"] = self_confinement.in_throwaway(self_confinement.private_shm) is None
     ready["confine_error"] = self_confinement.probe([os.getcwd()])  # None: its children can confine themselves
     sock.send(json.dumps(ready).encode())
     while True:

@@ -219,7 +219,7 @@ class ForkServer:
         confined = writable is not None and self.confine_error is None
         if writable is not None and self.confine_error is not None and bubblewrap().usable:
             raise CannotConfine(f"the fork server's children cannot confine themselves here ({self.confine_error}): "
-                                  "exec'd under bubblewrap instead")
+                                "exec'd under bubblewrap instead")
         if confined:
             request["writable"] = [str(w) for w in writable]
         try:

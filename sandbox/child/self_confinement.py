@@ -92,7 +92,7 @@ def confine(writable: Sequence[str]) -> None:
     _write("/proc/self/gid_map", f"{SANDBOX_UID} {gid} 1")
     _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "making the mounts private")
     _mount_attr(libc, "/", set_=_MOUNT_ATTR_RDONLY)
-    _check(libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=1777"), "an own /dev/shm")
+    _check(_own_shm(libc), "an own /dev/shm")
     for folder in dict.fromkeys(os.path.realpath(f) for f in writable):
         _check(libc.mount(folder.encode(), folder.encode(), None, _MS_BIND | _MS_REC, None), f"binding {folder}")
         _mount_attr(libc, folder, clear=_MOUNT_ATTR_RDONLY)
@@ -100,16 +100,42 @@ def confine(writable: Sequence[str]) -> None:
     _check(libc.capset(ctypes.byref(header), data), "dropping capabilities")
 
 
+def _own_shm(libc: ctypes.CDLL) -> int:
+    """Mount an empty tmpfs on /dev/shm (in a mount namespace of this process's own); 0 when done."""
+    return libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=1777")
+
+
+def private_shm() -> bool:
+    """Only a mount namespace of its own with an empty /dev/shm (a forked child that is not confined: a file one child
+    leaves there never reaches another; needs CAP_SYS_ADMIN, e.g. root); False, and nothing changed, where the host
+    refuses."""
+    try:
+        libc = _libc()
+        if libc.unshare(_CLONE_NEWNS) != 0 or libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+            return False
+        return _own_shm(libc) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def probe(writable: Sequence[str]) -> str | None:
     """Whether `confine(writable)` works here: tried in a throw-away forked process. None when it does, else why not
     (the failing step)."""
+    return in_throwaway(lambda: confine(writable))
+
+
+def in_throwaway(attempt) -> str | None:
+    """Run `attempt` in a throw-away forked process (what it changes dies with it): None when it returned a true or
+    None value, else why not (its exception, or that it returned false)."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(read_end)
         code = 0
         try:
-            confine(writable)
+            if attempt() is False:
+                os.write(write_end, b"the host refused")
+                code = 1
         except Exception as exc:  # noqa: BLE001 - any refusal is the answer
             os.write(write_end, str(exc).encode()[:500])
             code = 1
