@@ -72,6 +72,9 @@ class RunResult(Record):
     inner_step_times_s: list[float] = Field(default_factory=list, description="parent-timed runs: the child's own clock per timed step "
                                             "(warm-up, measured, cool-down), for the cross-check")
     cooldown_times_s: list[float] = Field(default_factory=list)
+    device_kernels_per_step: list[int] = Field(default_factory=list, description="parent-timed runs on the emulated NPU: the "
+                                               "kernels each timed step launched on the device (sandbox/device_kernels.py), "
+                                               "counted by the child; empty where nothing counts")
     clock_span_s: tuple[float, float] | None = Field(default=None, description="parent-timed runs: from the first timed step's reply to "
                                                      "the last, on the parent's clock and on the child's")
     cooldown_losses: list[float] = Field(default_factory=list)
@@ -92,6 +95,13 @@ class RunResult(Record):
     @property
     def ok(self) -> bool:
         return self.failure is None
+
+    @property
+    def kernels_per_step(self) -> int | None:
+        """The median of the timed steps' device kernel counts (None where the device does not count them)."""
+        if not self.device_kernels_per_step:
+            return None
+        return int(statistics.median_low(self.device_kernels_per_step))
 
     def median_step_s(self) -> float | None:
         return statistics.median(self.step_times_s) if self.step_times_s else None

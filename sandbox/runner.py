@@ -307,6 +307,7 @@ def _driven_result(base: RunResult, outcome: DriveOutcome, timeout_s: float, ste
     base.warmup_times_s, base.step_times_s = outcome.warmup_times_s, outcome.step_times_s
     base.cooldown_times_s, base.cooldown_losses = outcome.cooldown_times_s, outcome.cooldown_losses
     base.inner_step_times_s, base.losses = outcome.inner_times_s, outcome.losses
+    base.device_kernels_per_step = list(outcome.kernels) if len(outcome.kernels) == len(outcome.inner_times_s) else []
     base.watch = outcome.watch
     _fork_confinement(base, outcome.forked, outcome.fork_confined)
     if len(outcome.clock_pairs) >= 2:

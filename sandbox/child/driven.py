@@ -79,6 +79,7 @@ class DriveOutcome:
     step_times_s: list[float] = field(default_factory=list)
     cooldown_times_s: list[float] = field(default_factory=list)
     inner_times_s: list[float] = field(default_factory=list)  # the child's own clock, every timed step in order
+    kernels: list[int] = field(default_factory=list)  # NPU kernels per timed step, where the emulated device counts them
     clock_pairs: list[tuple[float, float]] = field(default_factory=list)  # per timed step: (reply read, parent clock; child clock at reply)
     losses: list[float] = field(default_factory=list)  # warm-up and measured steps
     cooldown_losses: list[float] = field(default_factory=list)
@@ -101,6 +102,13 @@ def record_step(out: DriveOutcome, phase: str, elapsed: float, loss: float) -> N
     else:
         (out.warmup_times_s if phase == "warmup" else out.step_times_s).append(elapsed)
         out.losses.append(loss)
+
+
+def record_kernels(out: DriveOutcome, reply: dict[str, Any]) -> None:
+    """A step reply's device kernel count (sandbox/device_kernels.py), when it has a whole one."""
+    kernels = reply.get("kernels")
+    if isinstance(kernels, int) and not isinstance(kernels, bool) and kernels >= 0:
+        out.kernels.append(kernels)
 
 
 class ChildStopped(Exception):
@@ -228,6 +236,7 @@ class DrivenChild:
         out = self.out
         loss, inner = float(reply["loss"]), float(reply.get("inner_s", math.nan))
         out.inner_times_s.append(inner)
+        record_kernels(out, reply)
         out.clock_pairs.append((started / 1e9 + elapsed, float(reply.get("clock", math.nan))))
         record_step(out, phase, elapsed, loss)
         if not math.isfinite(loss):

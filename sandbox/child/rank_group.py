@@ -34,7 +34,7 @@ from typing import Any
 
 from trainbridge.sandbox import proc_watch
 from trainbridge.sandbox.child.channel import Channel, ChannelClosed, ChannelProtocolError, ChannelTimeout
-from trainbridge.sandbox.child.driven import CHANNEL_FD, ChildSpec, ChildStopped, DrivenChild, record_step
+from trainbridge.sandbox.child.driven import CHANNEL_FD, ChildSpec, ChildStopped, DrivenChild, record_kernels, record_step
 from trainbridge.sandbox.child.rank_supervisor import RANKS_LOG, rank_output
 from trainbridge.sandbox.results import Failure, FailureKind
 from trainbridge.sandbox.script.launch import rank_threads
@@ -196,6 +196,7 @@ class RankGroupChild(DrivenChild):
             self.rank_inner_s[rank].append(inner[rank])
         out, loss = self.out, _mean(losses)
         out.inner_times_s.append(max((t for t in inner if t == t), default=math.nan))
+        record_kernels(out, replies[0])  # rank 0's device: every rank runs the same program
         out.clock_pairs.append((started / 1e9 + per_rank[0], float(replies[0].get("clock", math.nan))))
         record_step(out, phase, elapsed, loss)
         bad = [rank for rank, value in enumerate(losses) if not math.isfinite(value)]

@@ -29,6 +29,7 @@ from trainbridge.sandbox.evidence import save_evidence
 from typing import Any
 
 from trainbridge.sandbox.child.channel import Channel
+from trainbridge.sandbox.device_kernels import KernelCounter, step_reply_field
 
 
 class ProtocolError(ValueError):
@@ -46,6 +47,7 @@ class StepServer:
         self.channel, self.parts, self.backend = channel, parts, backend
         self.marked: dict[str, Any] | None = None
         self.steps_done = 0
+        self.kernels = KernelCounter()  # NPU kernels per step, where the emulated device counts them
 
     def serve(self) -> None:
         """Answer commands until `exit`; a command's own failure propagates (the harness reports it)."""
@@ -77,7 +79,7 @@ class StepServer:
     def _do_step(self, command: dict[str, Any]) -> dict[str, Any]:
         index = int(command["index"])
         model, optimizer, batch, train_step = (self.parts[k] for k in ("model", "optimizer", "batch", "train_step"))
-        started = time.perf_counter()
+        started, kernels_at = time.perf_counter(), self.kernels.mark()
         data = batch(index)
         self.backend.sync()
         loss = train_step(model, optimizer, data)
@@ -86,7 +88,8 @@ class StepServer:
         now = time.perf_counter()
         self.steps_done += 1
         # NaN/inf travel as JSON's NaN/Infinity; `clock` is the raw reading, for the parent's rate check
-        return {"index": index, "loss": value, "inner_s": now - started, "clock": now}
+        return {"index": index, "loss": value, "inner_s": now - started, "clock": now,
+                **step_reply_field(self.kernels, kernels_at)}
 
     def _do_final(self, command: dict[str, Any]) -> dict[str, Any]:
         if self.marked is None:

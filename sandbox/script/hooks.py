@@ -38,6 +38,7 @@ from typing import Any
 from trainbridge.sandbox.evidence import save_evidence
 from trainbridge.sandbox.numerics_probe import bits_fingerprint
 from trainbridge.sandbox.child.step_server import save_parameter_deltas
+from trainbridge.sandbox.device_kernels import KernelCounter, step_reply_field
 
 
 
@@ -190,6 +191,7 @@ class _Probe:
 class _Pending:
     index: int
     started: float
+    kernels_at: int | None = None  # the emulated NPU's kernel count at the command (sandbox/device_kernels.py)
 
 
 class StepController:
@@ -218,6 +220,7 @@ class StepController:
                                           # e.g. all_reduce of the loss for logging: the loss is what backward saw)
         self._loss_objects: list[Any] = []
         self.pending: _Pending | None = None
+        self.kernels = KernelCounter()
         self.probe: _Probe | None = None
         self.marked: dict[str, Any] | None = None
         self.optimizer_count = 0
@@ -297,7 +300,8 @@ class StepController:
             if self.capture is not None:
                 self.capture.window_ended(self.step_commands - 1, now - pending.started, loss)
             # NaN/inf travel as JSON's NaN/Infinity, as in step_server
-            self.channel.send({"op": "step", "index": pending.index, "loss": loss, "inner_s": now - pending.started, "clock": now})
+            self.channel.send({"op": "step", "index": pending.index, "loss": loss, "inner_s": now - pending.started, "clock": now,
+                               **step_reply_field(self.kernels, pending.kernels_at)})
         self._serve()
 
     def _take_loss(self) -> float:
@@ -327,7 +331,7 @@ class StepController:
                 if self.capture is not None:
                     self.capture.window_started(self.step_commands)
                 self.step_commands += 1
-                self.pending = _Pending(index=int(command["index"]), started=time.perf_counter())
+                self.pending = _Pending(index=int(command["index"]), started=time.perf_counter(), kernels_at=self.kernels.mark())
                 return
             elif op == "probe":
                 self.probe = _Probe(seed=int(command["seed"]), batch_indices=[int(i) for i in command["batch_indices"]],

@@ -85,3 +85,9 @@ if _os.environ.get("TRAINBRIDGE_NPU_EMULATION_DEVICE_MAP", "1") != "0":
 
     # the local version label says which emulated device is in use (reported in the run's versions)
     __version__ = f"{_RELEASE}+trainbridge.{_install(npu)}"
+    if __version__.endswith(".backend"):  # ops reach the device only there: count its kernels (_kernel_count)
+        import sys as _sys
+
+        from ._kernel_count import install as _count_kernels, launched as __trainbridge_kernels_launched__
+
+        _count_kernels(_sys.modules[__name__])

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from . import _kernel_count
 from ._checks import same_device_message
 
 _installed = False
@@ -42,6 +43,8 @@ _MIXED_OK = {
     _aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default, _aten._index_put_impl_.default,
     _aten.set_.source_Tensor, _aten.lift_fresh.default,
 }
+# host <-> device transfers: memory copies, not kernels (_kernel_count)
+_COPIES = {_aten.copy_.default, _aten._to_copy.default, _aten._copy_from.default, _aten._copy_from_and_resize.default}
 # stream bookkeeping: the emulated device has one synchronous stream
 _NO_OPS = {_aten.record_stream.default}
 
@@ -99,15 +102,18 @@ class NpuTensor(torch.Tensor):
             return None
         flat, _ = tree_flatten((args, kwargs))
         device = next(a.device for a in flat if isinstance(a, NpuTensor))
-        if func not in _MIXED_OK:
-            for a in flat:
-                if isinstance(a, torch.Tensor) and not isinstance(a, NpuTensor) and a.dim() > 0 \
-                        and a.device.type != "meta":
-                    raise RuntimeError(same_device_message(device, a.device))
+        host_tensors = any(isinstance(a, torch.Tensor) and not isinstance(a, NpuTensor) and a.dim() > 0
+                           and a.device.type != "meta" for a in flat)
+        if func not in _MIXED_OK and host_tensors:
+            a = next(a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, NpuTensor) and a.dim() > 0
+                     and a.device.type != "meta")
+            raise RuntimeError(same_device_message(device, a.device))
         if func is _aten._to_copy.default:
             target = kwargs.get("device")
             if target is not None and torch.device(target).type != "npu":
+                _kernel_count.dispatched(func, crosses_host=True)
                 return func(args[0]._host, **kwargs)
+        _kernel_count.dispatched(func, crosses_host=host_tensors and func in _COPIES)
         by_id = {}
 
         def unwrap(a):
