@@ -266,6 +266,11 @@ def test_an_example_trains_on_device_npu_under_emulation(fresh_probe_cache):
     assert result.device == "npu" and result.versions["torch_npu_mode"] == "emulated"
     assert len(result.losses) == 2 and all(math.isfinite(v) for v in result.losses)
     assert result.losses[1] < result.losses[0]
+    # every timed step's NPU kernels, counted on the emulated device (forward, backward and optimizer of a ResNet:
+    # far more than a handful; after the first step, whose optimizer creates its state, the same each step)
+    assert len(result.device_kernels_per_step) == len(result.inner_step_times_s) >= 3  # a cool-down step too
+    assert result.kernels_per_step > 100 and len(set(result.device_kernels_per_step[1:])) == 1
+    assert _train_two_steps("resnet_classify", "cpu").kernels_per_step is None  # nothing counts on the CPU
 
 
 @pytest.mark.slow

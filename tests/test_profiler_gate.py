@@ -371,6 +371,11 @@ def test_gate_in_npu_emulation_verifies_numerics_and_leaves_speed_unmeasured():
     assert verdict.reason == VerdictReason.speed_unmeasured_numerics_ok and not verdict.accepted, verdict.message
     assert verdict.numerics.passed and verdict.baseline_rounds == []
     assert verdict.candidate_versions["torch_npu"].endswith("(emulated)")
+    # NPU kernels per step, counted on the emulated device: the fused norm is one kernel forward and one
+    # backward where the eager norm (pow, mean, add, rsqrt, mul, mul) launched several each way
+    kernels = verdict.device_kernels
+    assert kernels is not None and 0 < kernels.candidate < kernels.baseline, verdict.message
+    assert kernels.describe() in verdict.message and "Speed unmeasured" in verdict.message
 
 
 @pytest.mark.slow

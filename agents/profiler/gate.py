@@ -67,7 +67,7 @@ from trainbridge.agents.profiler.numerics import NumericsResult, NumericsToleran
 from trainbridge.agents.profiler.probe_report import ProbeReport, ProbeReportError
 from trainbridge.agents.profiler.sequential import SequentialGate, looks
 from trainbridge.agents.profiler.stats import SpeedOutcome
-from trainbridge.agents.profiler.verdict import FAILURE_REASONS, Verdict, VerdictReason
+from trainbridge.agents.profiler.verdict import FAILURE_REASONS, DeviceKernels, Verdict, VerdictReason
 from trainbridge.sandbox.child import fork_server
 from trainbridge.sandbox.child.fork_server import SpawnKind
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
@@ -404,6 +404,8 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
                            candidate_versions=sides["candidate"].run.versions)
         base, cand = sides["baseline"], sides["candidate"]
         state.update(baseline_versions=base.run.versions, candidate_versions=cand.run.versions)
+        if index == 0 and base.run.kernels_per_step is not None and cand.run.kernels_per_step is not None:
+            state["device_kernels"] = DeviceKernels(baseline=base.run.kernels_per_step, candidate=cand.run.kernels_per_step)
         found = judge_conduct(base, cand, baseline.config.threads, where)
         if index == 0 and not found and not nondeterministic:  # drift of a nondeterministic program is its data order
             key = drift_key(baseline, backend, env_now(), inputs)
@@ -435,9 +437,10 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
         if index == 0:
             marks["numerics_end"] = time.monotonic()
             if emulated_speed:
+                kernels = f"; {state['device_kernels'].describe()}" if state.get("device_kernels") else ""
                 return verdict(VerdictReason.speed_unmeasured_numerics_ok,
-                               f"{numerics.message}. Speed unmeasured: {backend} runs under emulation here; measure on hardware "
-                               "(`trainbridge verify`) before accepting.", "numerics")
+                               f"{numerics.message}{kernels}. Speed unmeasured: {backend} runs under emulation here; measure on "
+                               "hardware (`trainbridge verify`) before accepting.", "numerics")
             progress("timing", 0, rounds)
         orders.append("AB" if order[0] == "baseline" else "BA")
         base_rounds.append(base.run.step_times_s)

@@ -44,6 +44,27 @@ FAILURE_REASONS: dict[FailureKind, VerdictReason] = {
 }
 
 
+class DeviceKernels(BaseModel):
+    """NPU kernels per training step on each side (median of the first round's timed steps), counted on the
+    emulated device (sandbox/device_kernels.py): the paper's own measure where speed cannot be measured.
+    Each child reports its own count: a figure for the report, never part of the decision."""
+
+    model_config = ConfigDict(frozen=True)
+
+    baseline: int
+    candidate: int
+
+    @property
+    def change(self) -> float | None:
+        """candidate / baseline - 1 (negative: fewer kernels)."""
+        return self.candidate / self.baseline - 1 if self.baseline else None
+
+    def describe(self) -> str:
+        change = self.change
+        percent = f", {change * 100:+.0f}%".replace("-", "\u2212") if change is not None else ""
+        return f"NPU kernels per step {self.baseline} \u2192 {self.candidate}{percent}"
+
+
 class Verdict(BaseModel):
     """`accepted` is True only for a measured gain with matching numerics. A verdict with reason
     `speed_unmeasured_numerics_ok` is not accepted: its commit waits for a measurement on hardware."""
@@ -83,6 +104,8 @@ class Verdict(BaseModel):
     phase_seconds: dict[str, float] = Field(default_factory=dict, description="wall time of the gate's phases: numerics, timing")
     region: dict | None = Field(default=None, description="the region lab's timing of the rewritten region alone "
                                 "(agents/profiler/region_lab.py RegionTiming), when it ran; never what accepts")
+    device_kernels: DeviceKernels | None = Field(default=None, description="NPU kernels per step of both sides, where the "
+                                                 "emulated device counts them (the NPU target without an NPU)")
 
     @model_validator(mode="after")
     def _accepted_matches_reason(self) -> "Verdict":

@@ -211,6 +211,8 @@ def _print_result(root: Path, result: RunResult, out: Console) -> None:
         table.add_row("loss from", ", ".join(f"{name} ({count} steps)" for name, count in sources.items()))
     if result.peak_memory_bytes:
         table.add_row("peak memory", f"{result.peak_memory_bytes / 2**20:.0f} MiB")
+    if result.kernels_per_step is not None:  # the emulated NPU counts them (sandbox/device_kernels.py)
+        table.add_row("NPU kernels per step", f"{result.kernels_per_step} (counted on the emulated npu)")
     table.add_row("network", "isolated" if result.network_isolated else "not isolated")
     table.add_row("torch", result.versions.get("torch", "?"))
     out.print(table)
@@ -222,7 +224,8 @@ def _print_result(root: Path, result: RunResult, out: Console) -> None:
         from trainbridge.sandbox.backends import npu_emulated
 
         if result.backend == "npu" and npu_emulated():
-            console.print("[green]ok[/]: trained on the emulated npu (no NPU here): speed unmeasured")
+            kernels = f", {result.kernels_per_step} NPU kernels per step" if result.kernels_per_step is not None else ""
+            console.print(f"[green]ok[/]: trained on the emulated npu (no NPU here){kernels}: speed unmeasured")
         else:
             console.print("[green]ok[/]: speed measured on this machine's " + result.backend)
             note = busy_note(result)

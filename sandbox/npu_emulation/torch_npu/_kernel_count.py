@@ -6,7 +6,7 @@ autograd, so forward, backward and the optimizer all count) is one kernel launch
 torch_npu program launches one aclnn kernel per ATen op, except
 - views and other metadata-only ops (`OpOverload.is_view`: view, transpose, expand, slice, ...,
   detach, alias): no kernel runs on a device for them;
-- host <-> device copies (`.npu()`, `.cpu()`, `.item()`'s read): memory copies, not kernels;
+- host <-> device copies (`.npu()`, `.cpu()`, `.item()`'s read of the value): memory copies, not kernels;
 - the work inside a fused torch_npu API: `npu_rms_norm`, `npu_fusion_attention`, ... run here as
   several host ops but are one kernel on an NPU, so each call counts once, and so does the backward of
   its autograd function (`count_fused`: a call made inside another fused call is not counted again).
@@ -30,6 +30,7 @@ import torch
 _aten = torch.ops.aten
 # ops that launch no kernel beyond the views `is_view` names
 _METADATA = {
+    _aten._local_scalar_dense.default,  # `.item()`: a device-to-host read of one value
     _aten.lift_fresh.default, _aten.set_.source_Tensor, _aten.record_stream.default, _aten.resize_.default,
     _aten._unsafe_view.default, _aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
 }
