@@ -7,6 +7,7 @@ knowledge-base outcomes have deterministic ids, and measurements are simply take
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +22,7 @@ from trainbridge.agents.retrieval.choose import choose_intent, intent_coverage
 from trainbridge.graph import npu_pending
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.detached_views import detached_view, remove_view
+from trainbridge.graph.lines import Detail, VerdictLine
 from trainbridge.graph.team.devices import parallel_gates
 from trainbridge.graph.npu_port import port_to_npu
 from trainbridge.graph.review import REVIEW_SCHEMA_VERSION, ReviewDecision, review_payload
@@ -108,9 +110,11 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         "node": "analyst",
         "intents": [i.model_dump(mode="json") for i in intents],
         "intent_evidence": {i.id: {"category": str(i.category), "spans": [str(s) for s in i.spans],
-                                   "evidence": i.evidence.model_dump(mode="json")} for i in found.kept},
+                                   "evidence": i.evidence.model_dump(mode="json"), "confidence": i.confidence,
+                                   "estimated_saving_us": i.estimated_saving_us} for i in found.kept},
         "analyses": (state.get("analyses") or 0) + 1,
         "eager_ops_now": analysis.eager_ops_per_step,
+        "eager_ops_sha": pending or workspace.head_sha,  # which head `eager_ops_now` counts (the report's "after")
         PARTS_KEY: {_ANALYSIS_PARTS.get(phase, phase): seconds for phase, seconds in analysis.phase_seconds.items()},
     }
     if first:
@@ -316,6 +320,9 @@ def decide(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         update["verdicts"] = [record]
         update["candidate"] = None
         ctx.say(verdict_line(candidate.name, record["reason"], record["message"]))
+        tail = failure_tail(verdict)
+        if tail:
+            ctx.say(tail)
         if verdict["accepted"] or "done_intents" in update:
             update["done_intents"] = [candidate.intent_id]
             return update
@@ -361,7 +368,7 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
                                allowed=ctx.config.recipe_ids)
     paths = write_report({**state, "intent_coverage": coverage.as_record()}, ctx.config, ctx.paths.report, final_step_s=final, stop_reason=reason,
                          emulated_npu=ctx.config.target == "npu" and npu_emulated(), kb_stats=_kb_stats(ctx),
-                         final_comparison=comparison)
+                         final_comparison=comparison, kb_added=_kb_added(ctx, state))
     remove_view(workspace, npu_pending.PENDING_VIEW)
     workspace.cleanup()
     ctx.say(coverage.line())
@@ -397,6 +404,21 @@ def _kb_stats(ctx: RunContext) -> dict[str, Any] | None:
         return {"error": str(exc)}
 
 
+def _kb_added(ctx: RunContext, state: RunState) -> list[dict[str, Any]] | None:
+    """The knowledge-base entries this run recorded (its outcomes, the recipes it learned), for the report's table;
+    None when the knowledge base cannot be read (the report says so from `_kb_stats`)."""
+    shas = {f"commit {a.get('sha')}" for a in state.get("accepted") or [] if a.get("sha")}
+    try:
+        learned = [r for r in ctx.kb.list_recipes() if r.provenance.kind == "learned" and shas & set(r.provenance.sources)]
+        outcomes = [o for o in ctx.kb.all_outcomes() if o.run_id == ctx.config.run_id]
+    except Exception:  # noqa: BLE001 - a report must still be written when the KB server went away overnight
+        return None
+    return ([{"kind": "learned recipe", "id": r.id, "recipe_id": r.id, "category": str(r.category), "verdict": None, "ratio": None}
+             for r in learned]
+            + [{"kind": "outcome", "id": o.id, "recipe_id": o.recipe_id, "category": str(o.category), "verdict": o.verdict,
+                "ratio": o.ratio} for o in outcomes])
+
+
 def learn_recipe(ctx: RunContext, workspace, candidate: Candidate, state: RunState) -> None:
     """An accepted LLM rewrite becomes a `learned` recipe, so the next run needs no LLM for it."""
     from trainbridge.agents.coder.learned import LearnedRecipeError, learned_recipe
@@ -418,9 +440,20 @@ def gate_summary(verdict: dict[str, Any]) -> dict[str, Any]:
     """What the run keeps of how the gate got there: its wall time, rounds, busy rounds, wait policy
     and the region lab's verdict and ratio (benchmarks/loop_cost.py reads them back)."""
     region = verdict.get("region") or {}
+    speed = verdict.get("speed") or {}
     return {"wall_s": verdict.get("wall_s"), "rounds": len(verdict.get("baseline_rounds") or []),
             "busy_rounds": verdict.get("busy_rounds") or [], "wait_policy": verdict.get("wait_policy"),
-            "region_verdict": region.get("verdict"), "region_ratio": region.get("ratio"), "region_interval": region.get("interval")}
+            "region_verdict": region.get("verdict"), "region_ratio": region.get("ratio"), "region_interval": region.get("interval"),
+            # per round, each side's median step (s): what the report plots the gate's decision from (busy rounds included)
+            "round_medians": {"baseline": [statistics.median(r) for r in verdict.get("baseline_rounds") or [] if r],
+                              "candidate": [statistics.median(r) for r in verdict.get("candidate_rounds") or [] if r]},
+            "look_rounds": speed.get("look_rounds"), "min_gain": speed.get("min_gain")}
+
+
+def failure_tail(verdict: dict[str, Any]) -> Detail | None:
+    """The failed child's traceback tail, for `-v` (the verdict line has its message)."""
+    tail = ((verdict.get("failure") or {}).get("traceback_tail") or "").strip()
+    return Detail("  child's stderr tail:\n" + "\n".join("    " + line for line in tail.splitlines())) if tail else None
 
 
 VERDICT_LINE_CHARS = 600  # the figures, the interval and the numerics summary; the report holds the whole message
@@ -430,7 +463,7 @@ def verdict_line(name: str, reason: str, message: str) -> str:
     """What the CLI prints for a verdict: its reason and its message, figures first, cut only past
     `VERDICT_LINE_CHARS` (it used to be cut at 120, which lost a not_significant verdict's interval)."""
     text = message if len(message) <= VERDICT_LINE_CHARS else message[:VERDICT_LINE_CHARS].rsplit(" ", 1)[0] + " ... (the report has the rest)"
-    return f"verdict {name}: {reason} ({text})"
+    return VerdictLine(f"verdict {name}: {reason} ({text})")
 
 
 def verdict_record(candidate: Candidate, *, accepted: bool, reason: str, message: str, ratio=None, ratio_ci=None) -> dict[str, Any]:

@@ -123,6 +123,7 @@ class RunState(TypedDict, total=False):
     reference_step_s: float | None  # torch.compile of the original (the line the report draws)
     eager_ops_before: int | None
     eager_ops_now: int | None
+    eager_ops_sha: str | None  # the head the last analysis counted `eager_ops_now` on (the report says "after" only for the final head)
     intents: list[dict[str, Any]]  # ranked Intent dumps from the latest analysis
     intent_evidence: Annotated[dict[str, dict[str, Any]], merged]  # every intent any analysis found: its evidence, by id
     done_intents: Annotated[list[str], operator.add]

@@ -1,13 +1,19 @@
 """The run report as one self-contained HTML page: the report's markdown rendered by markdown-it-py
-(CommonMark + tables, raw HTML off, so every character of a message is escaped exactly once, by the
-renderer), the PNG charts embedded as data URIs, and a style that reads well on a screen and prints.
+(CommonMark + tables), the PNG charts embedded as data URIs, the SVG plots inlined, and a style that reads
+well on a screen and prints.
+
+Raw HTML in the markdown is shown as text, escaped exactly once by the renderer, except the report's own
+collapsed blocks: a line `<details><summary>TEXT</summary>` (TEXT without markup) and a line `</details>`.
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import re
 from pathlib import Path
+
+DETAILS_OPEN = re.compile(r"<details><summary>([^<>]*)</summary>")
 
 STYLE = """
 :root { color-scheme: light; --ink: #1d232a; --muted: #5b6570; --rule: #d5dbe1; --band: #f4f6f8; --accent: #1f7a4d; }
@@ -25,6 +31,9 @@ th { background: var(--band); }
 tbody tr:nth-child(even) { background: #fafbfc; }
 td:nth-child(5) { white-space: nowrap; }
 strong { color: var(--accent); }
+details { margin: .4rem 0 1rem; }
+summary { cursor: pointer; color: var(--muted); }
+svg { max-width: 100%; height: auto; display: block; margin: .5rem 0; }
 img { max-width: 100%; height: auto; border: 1px solid var(--rule); border-radius: 4px; margin: .5rem 1rem .5rem 0; }
 @media print { body { max-width: none; margin: 0; } }
 """
@@ -40,20 +49,38 @@ def escape_cell(text: str) -> str:
 
 
 def render_html(markdown: str, charts: list[Path], *, title: str = "TrainBridge report") -> str:
-    """The page for `markdown`; its image references to `charts` (by file name) become embedded PNGs."""
+    """The page for `markdown`; its image references to `charts` (by file name) become embedded PNGs and inline SVGs
+    (the report writes the SVGs itself: tools/report_svg.py)."""
     from markdown_it import MarkdownIt
 
-    embedded = {p.name: f"data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}" for p in charts}
-    md = MarkdownIt("commonmark", {"html": False}).enable("table")
+    embedded = {p.name: f"data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}" for p in charts if p.suffix == ".png"}
+    inline = {p.name: p.read_text(encoding="utf-8") for p in charts if p.suffix == ".svg"}
+    md = MarkdownIt("commonmark", {"html": True}).enable("table")
     default_image = md.renderer.rules["image"]  # bound to the renderer
 
     def image(renderer, tokens, idx, options, env):
         src = tokens[idx].attrGet("src")
+        if src in inline:
+            return inline[src]
         if src in embedded:
             tokens[idx].attrSet("src", embedded[src])
         return default_image(tokens, idx, options, env)
 
+    def html_block(renderer, tokens, idx, options, env):
+        content = tokens[idx].content
+        if content.strip() == "</details>":
+            return "</details>\n"
+        opened = DETAILS_OPEN.fullmatch(content.strip())
+        if opened:
+            return f"<details><summary>{html.escape(html.unescape(opened.group(1)))}</summary>\n"
+        return f"<p>{html.escape(content)}</p>\n"
+
+    def html_inline(renderer, tokens, idx, options, env):
+        return html.escape(tokens[idx].content)
+
     md.add_render_rule("image", image)
+    md.add_render_rule("html_block", html_block)
+    md.add_render_rule("html_inline", html_inline)
     body = md.render(markdown)
     return ("<!doctype html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"

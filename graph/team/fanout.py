@@ -29,7 +29,7 @@ from trainbridge.graph import npu_pending
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.detached_views import detached_view
 from trainbridge.graph.team.gate_jobs import GateJob
-from trainbridge.graph.nodes import PARTS_KEY, learn_recipe, record_outcome, verdict_line, verdict_record
+from trainbridge.graph.nodes import PARTS_KEY, failure_tail, gate_summary, learn_recipe, record_outcome, verdict_line, verdict_record
 from trainbridge.graph.team.rebase import carry_forward
 from trainbridge.graph.state import RunState
 from trainbridge.graph.stops import NO_INTENTS, RunStopped, limit_reached
@@ -168,6 +168,7 @@ def merge(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             continue
         record = verdict_record(candidate, accepted=verdict["accepted"], reason=verdict["reason"], message=verdict["message"],
                                  ratio=verdict.get("ratio"), ratio_ci=verdict.get("ratio_ci"))
+        record["gate"] = gate_summary(verdict)  # the rounds the report plots, as the one-gate path keeps them
         intent_state = {"current_intent": lane["intent"] or _intent_of(state, candidate), "verdict": verdict}
         if verdict["accepted"]:
             moved = workspace.accept_candidate(candidate.name)
@@ -190,6 +191,9 @@ def merge(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         record_outcome(ctx, intent_state, candidate, record)
         records.append(record)
         ctx.say(verdict_line(candidate.name, record["reason"], record["message"]))
+        tail = failure_tail(verdict)
+        if tail:
+            ctx.say(tail)
     regate = []
     for job, candidate, lane in stale:
         moved, how = carry_forward(workspace, candidate, lambda: _recode(ctx, workspace, candidate, lane))
