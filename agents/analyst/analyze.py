@@ -71,10 +71,11 @@ def analyze_repo(
     with _timed("static_scan", timings, on_phase):
         scanned = scan_repo_result(root, target=backend)
     skipped = [f"{s.file}: {s.reason}" for s in scanned.skipped]
+    notes += [failure.describe() for failure in scanned.detector_failures]
     if static_only:
         intents = align(scanned.intents)
         return Analysis(repo=str(root), backend=backend, mode="static", intents=intents, phase_seconds=timings,
-                        skipped_files=skipped, notes=["static scan only: no runtime evidence, savings not estimated"])
+                        skipped_files=skipped, notes=["static scan only: no runtime evidence, savings not estimated", *notes])
 
     with _timed("target_profile", timings, on_phase):
         profiled = run_workload(workload.with_overrides(steps=1, warmup_steps=1), backend=backend, mode="profile")

@@ -27,8 +27,10 @@ def _pair_of(ctx: Ctx, first: Expr, second: Expr) -> Expr | None:
     a, b = follow(ctx, first), follow(ctx, second)
     if a.kind != "subscript" or b.kind != "subscript" or not a.value or not b.value or not same(a.args[0], b.args[0]):
         return None
-    (ka, lo_a, hi_a, st_a, *_), (kb, lo_b, hi_b, st_b, *_) = (*a.value[-1], None), (*b.value[-1], None)
-    if ka != "slice" or kb != "slice" or hi_a is not None or hi_b is not None:
+    if a.value[-1][0] != "slice" or b.value[-1][0] != "slice":  # x[..., 0] is an index: ("index", value)
+        return None
+    (_, lo_a, hi_a, st_a), (_, lo_b, hi_b, st_b) = a.value[-1], b.value[-1]
+    if hi_a is not None or hi_b is not None:
         return None
     if st_a is None or st_b is None or not (is_const(st_a, 2.0) and is_const(st_b, 2.0)):
         return None

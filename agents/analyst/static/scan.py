@@ -32,7 +32,9 @@ anyway.
 
 Files that do not parse: ``scan_source`` raises ``StaticScanError`` naming the file and line;
 ``scan_repo`` skips such a file with a logged warning (``on_syntax_error="raise"`` to fail
-instead), and ``scan_repo_result`` returns the skipped files with the reason.
+instead), and ``scan_repo_result`` returns the skipped files with the reason. A detector that
+raises on code nobody here has read loses only its own findings at that place: the scan goes on,
+and ``scan_repo_result`` returns the failure (``detector_failures``), which ``analyze`` reports.
 
 Which files ``scan_repo`` reads when none are given: every ``*.py`` under the root except hidden
 folders, virtual environments, build output and tests (folders ``tests``/``test``, files
@@ -60,7 +62,7 @@ from .resolve import build_intents
 from .rules import PROGRAM_RULES
 from .targets import gains_for
 
-__all__ = ["StaticScanError", "StaticScanResult", "SkippedFile", "scan_repo", "scan_repo_result", "scan_source"]
+__all__ = ["DetectorFailure", "StaticScanError", "StaticScanResult", "SkippedFile", "scan_repo", "scan_repo_result", "scan_source"]
 
 log = logging.getLogger(__name__)
 
@@ -78,16 +80,43 @@ class SkippedFile(BaseModel):
     reason: str
 
 
+class DetectorFailure(BaseModel):
+    """A detector that raised: its findings at that place are lost, the rest of the scan is not."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    detector: str
+    file: str | None = Field(default=None, description="where it failed (None: a rule over the whole repository)")
+    line: int | None = Field(default=None, description="the first place in `file` it failed")
+    error: str
+    places: int = Field(default=1, description="how many places of `file` it failed at (the first one is described)")
+
+    def describe(self) -> str:
+        where = f" on {self.file}:{self.line}" if self.file and self.line else f" on {self.file}" if self.file else ""
+        more = f" and {self.places - 1} more place(s) of that file" if self.places > 1 else ""
+        return (f"static detector {self.detector} failed{where}{more} ({self.error}); its findings there are missing, "
+                "the scan went on")
+
+
 class StaticScanResult(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     intents: list[Intent]
     skipped: list[SkippedFile] = Field(default_factory=list)
     files: list[str] = Field(default_factory=list, description="the repo-relative files that were scanned")
+    detector_failures: list[DetectorFailure] = Field(default_factory=list)
 
 
-def _expression_matches(index: RepoIndex, file: FileModel, gains: frozenset[str]) -> list[Match]:
+def _failed(detector: str, exc: Exception, file: str | None = None, line: int | None = None) -> DetectorFailure:
+    failure = DetectorFailure(detector=detector, file=file, line=line, error=f"{type(exc).__name__}: {exc}"[:300])
+    log.warning("%s", failure.describe())
+    return failure
+
+
+def _expression_matches(index: RepoIndex, file: FileModel, gains: frozenset[str], failures: list[DetectorFailure]) -> list[Match]:
+    """Every expression pattern at every call of `file`; a pattern that raises loses that one place (`failures`)."""
     matches = []
+    failed: dict[str, tuple[Exception, int, int]] = {}  # per detector: its first exception, line, and how many places
     patterns = [(i, p) for i, p in enumerate(EXPRESSION_PATTERNS) if p.gain is None or p.gain in gains]
     for scope in file.scopes:
         for root in scope.roots:
@@ -96,32 +125,54 @@ def _expression_matches(index: RepoIndex, file: FileModel, gains: frozenset[str]
                     continue
                 for priority, p in patterns:
                     ctx = Ctx(index, file, scope)
-                    found = p.match(ctx, expr)
-                    if found:
-                        match = Match.from_ctx(p.category, ctx, expr, found, priority)
-                        match.whole_function = p.whole_function
-                        matches.append(match)
+                    try:
+                        found = p.match(ctx, expr)
+                        if found:
+                            match = Match.from_ctx(p.category, ctx, expr, found, priority)
+                            match.whole_function = p.whole_function
+                            matches.append(match)
+                    except Exception as exc:  # unseen code: one pattern at one place, never the whole scan
+                        failed[str(p.category)] = failed.get(str(p.category)) or (exc, expr.start, 0)
+                        first, line, places = failed[str(p.category)]
+                        failed[str(p.category)] = (first, line, places + 1)
+    for detector, (exc, line, places) in failed.items():
+        failures.append(_failed(detector, exc, file.relpath, line).model_copy(update={"places": places}))
     return matches
+
+
+def _rule_matches(rule, models: list[FileModel], failures: list[DetectorFailure]) -> list[Match]:
+    try:
+        return list(rule(models))
+    except Exception as exc:  # a repository-wide rule: its findings are lost, the other detectors' are not
+        failures.append(_failed(getattr(rule, "__name__", repr(rule)), exc))
+        return []
+
+
+def scan_models_result(files: dict[str, FileModel], target: str | None = None) -> tuple[list[Intent], list[DetectorFailure]]:
+    """`scan_models`, with the detectors that raised (each loses its own findings at that place only)."""
+    gains = gains_for(target)
+    index = RepoIndex(files, classify_helper)
+    models = list(files.values())
+    matches: list[Match] = []
+    failures: list[DetectorFailure] = []
+    for file in models:
+        matches += _expression_matches(index, file, gains, failures)
+    for rule in PROGRAM_RULES + LOOP_RULES:
+        matches += _rule_matches(rule, models, failures)
+    for gain, rule in TARGET_RULES:
+        if gain in gains:
+            matches += _rule_matches(rule, models, failures)
+    return build_intents(matches), failures
 
 
 def scan_models(files: dict[str, FileModel], target: str | None = None) -> list[Intent]:
     """Intents of already-parsed files (keys: repo-relative POSIX paths).
 
     ``target`` ('npu', 'cuda', 'cpu' or None) adds the findings that are a gain only there
-    (targets.GAINS); None reports the target-independent ones.
+    (targets.GAINS); None reports the target-independent ones. A detector that raises is logged and
+    loses only its own findings at that place (`scan_models_result` returns them).
     """
-    gains = gains_for(target)
-    index = RepoIndex(files, classify_helper)
-    models = list(files.values())
-    matches: list[Match] = []
-    for file in models:
-        matches += _expression_matches(index, file, gains)
-    for rule in PROGRAM_RULES + LOOP_RULES:
-        matches += rule(models)
-    for gain, rule in TARGET_RULES:
-        if gain in gains:
-            matches += rule(models)
-    return build_intents(matches)
+    return scan_models_result(files, target)[0]
 
 
 def scan_source(code: str, relpath: str, target: str | None = None) -> list[Intent]:
@@ -186,7 +237,8 @@ def scan_repo_result(
                 raise
             skipped.append(SkippedFile(file=rel, reason=str(exc)))
             log.warning("static scan skipped %s", exc)
-    return StaticScanResult(intents=scan_models(models, target), skipped=skipped, files=sorted(models))
+    intents, failures = scan_models_result(models, target)
+    return StaticScanResult(intents=intents, skipped=skipped, files=sorted(models), detector_failures=failures)
 
 
 def scan_repo(
