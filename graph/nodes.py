@@ -349,7 +349,7 @@ def route_after_decide(state: RunState, runtime: Runtime[RunContext]) -> Literal
 
 
 def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
-    from trainbridge.tools.report import write_report
+    from trainbridge.tools.report.write import write_report
 
     ctx = runtime.context
     workspace = ctx.workspace(state["base_sha"])

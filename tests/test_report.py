@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainbridge.tools.report import combined_ci, write_report
+from trainbridge.tools.report.write import combined_ci, write_report
 
 
 def _state() -> dict:

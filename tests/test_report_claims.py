@@ -7,8 +7,8 @@ import re
 from html.parser import HTMLParser
 from types import SimpleNamespace
 
-from trainbridge.tools.report import write_report
-from trainbridge.tools.report_sections import clip_words
+from trainbridge.tools.report.write import write_report
+from trainbridge.tools.report.sections import clip_words
 
 CONFIG = SimpleNamespace(run_id="r", repo="/repo", target="cpu")
 SHA_1, SHA_2 = "1" * 40, "2" * 40

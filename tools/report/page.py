@@ -50,7 +50,7 @@ def escape_cell(text: str) -> str:
 
 def render_html(markdown: str, charts: list[Path], *, title: str = "TrainBridge report") -> str:
     """The page for `markdown`; its image references to `charts` (by file name) become embedded PNGs and inline SVGs
-    (the report writes the SVGs itself: tools/report_svg.py)."""
+    (the report writes the SVGs itself: tools/report/rounds_svg.py)."""
     from markdown_it import MarkdownIt
 
     embedded = {p.name: f"data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}" for p in charts if p.suffix == ".png"}

@@ -8,9 +8,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from trainbridge.tools.report_html import escape_cell
-from trainbridge.tools.report_result import ms
-from trainbridge.tools.report_svg import gate_rounds_svg
+from trainbridge.tools.report.page import escape_cell
+from trainbridge.tools.report.claims import ms
+from trainbridge.tools.report.rounds_svg import gate_rounds_svg
 from trainbridge.tools.tables import INTENT_COLUMNS, intent_cells
 
 UNMEASURED = "speed unmeasured (no NPU)"

@@ -1,9 +1,9 @@
-"""A run's report: `report.md`, a self-contained `report.html` (tools/report_html.py), PNG charts and an SVG plot of
+"""A run's report: `report.md`, a self-contained `report.html` (tools/report/page.py), PNG charts and an SVG plot of
 each accepted commit's gate rounds.
 
 Figures come from the run's state only: measured step times (baseline, per accepted commit, final), the gate's
 ratios and confidence intervals, op counts from the analyst. Estimates never appear as speedups; without an NPU,
-NPU candidates say "speed unmeasured (no NPU)". What may be claimed from which figure is tools/report_result.py's.
+NPU candidates say "speed unmeasured (no NPU)". What may be claimed from which figure is tools/report/claims.py's.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainbridge.tools.report_html import render_html
-from trainbridge.tools.report_result import MIN_RESULT_ROUNDS, combined_ci, ms, result_lines
-from trainbridge.tools.report_sections import (UNMEASURED, accepted_commits, candidates_section, eager_ops_line,
+from trainbridge.tools.report.page import render_html
+from trainbridge.tools.report.claims import MIN_RESULT_ROUNDS, combined_ci, ms, result_lines
+from trainbridge.tools.report.sections import (UNMEASURED, accepted_commits, candidates_section, eager_ops_line,
                                                final_head_analysed, intents_section, knowledge_section, loop_cost)
 
 __all__ = ["MIN_RESULT_ROUNDS", "UNMEASURED", "combined_ci", "write_report"]
