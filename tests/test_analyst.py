@@ -118,6 +118,7 @@ def test_analysis_of_a_real_step_against_a_real_compiled_reference(tmp_path):
 
 
 NPU_ENTRY = """import torch
+import torch_npu  # noqa: F401  (a ported program imports it: so must the host CPU's compile reference)
 import tiny_llama as m
 
 

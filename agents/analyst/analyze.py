@@ -20,6 +20,7 @@ from trainbridge.agents.analyst import affinity
 from trainbridge.agents.analyst.align import align
 from trainbridge.agents.analyst.static.scan import scan_repo_result
 from trainbridge.records import FusionGroup, Intent, Record
+from trainbridge.sandbox.npu_emulation import host_reference_env
 from trainbridge.sandbox.results import RunResult
 from trainbridge.sandbox.runner import run_workload
 from trainbridge.sandbox.scratch import scratch_dir
@@ -128,8 +129,11 @@ def _reference_dir(workload: Workload, backend: str, pack: Path | None, tmp: Pat
     # script mode (sandbox/script/capture.py) compiles the modules the optimizers train, or honours the script's own
     # torch.compile, over the script's own steps; entry mode compiles parts["model"]
     timeout_s = max(workload.config.timeout_s, REFERENCE_TIMEOUT_FLOOR_S)
+    # an NPU program compiled on the host CPU imports torch_npu: the stand-in maps its npu device onto the CPU there
+    extra_env = host_reference_env({}) if backend == "npu" and compile_backend == "cpu" else None
     captured = run_workload(workload.with_overrides(steps=2, warmup_steps=0, timeout_s=timeout_s), backend=compile_backend,
-                            mode="capture", extra_request={"evidence_dir": str(evidence_dir), "timed_steps": REFERENCE_TIMED_STEPS})
+                            mode="capture", extra_request={"evidence_dir": str(evidence_dir), "timed_steps": REFERENCE_TIMED_STEPS},
+                            extra_env=extra_env)
     return Path(_extra(captured, "evidence_dir", f"compiling the reference step with torch.compile ({source})")), source
 
 

@@ -16,6 +16,6 @@ Settings the stand-in reads (environment of the child):
 Conformance with Ascend's own op tests: benchmarks/npu_emulation_conformance.py.
 """
 
-from ._selection import NpuSelection, emulation_path, select_torch_npu, selection_env
+from ._selection import NpuSelection, emulation_path, host_reference_env, select_torch_npu, selection_env
 
-__all__ = ["NpuSelection", "emulation_path", "select_torch_npu", "selection_env"]
+__all__ = ["NpuSelection", "emulation_path", "host_reference_env", "select_torch_npu", "selection_env"]

@@ -140,3 +140,13 @@ def selection_env(selection: NpuSelection, env: Mapping[str, str]) -> dict[str, 
     else:
         out.pop("PYTHONPATH", None)
     return out
+
+
+def host_reference_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a host-CPU child that runs an NPU program for its torch.compile reference where no
+    NPU is usable: the stand-in on its path with the npu -> cpu mapping (TRAINBRIDGE_NPU_EMULATION_DEVICE=map),
+    so a ported program's `import torch_npu`, `.npu()` and `device="npu"` give CPU tensors Inductor compiles, and
+    its fused torch_npu calls trace as the CPU math they emulate."""
+    emulated = NpuSelection(mode="emulated", cause="not_installed", reason="the host CPU's compile reference",
+                            python=sys.executable)
+    return {**selection_env(emulated, env), "TRAINBRIDGE_NPU_EMULATION_DEVICE": "map"}
