@@ -56,6 +56,7 @@ def prepare(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         if result.failure is not None:
             raise RunStopped(f"the unmodified program fails in the sandbox ({result.failure.kind}): {result.failure.message}")
         update["baseline_step_s"] = result.median_step_s()
+        update["baseline_kernels"] = result.kernels_per_step  # NPU kernels per step on the emulated device (else None)
         if result.mode == "script":  # once per run: is the program repeatable under one seed? (the gate needs to know)
             update["determinism"] = _determinism(ctx.config.workload(workspace.worktree), result, ctx)
         update[PARTS_KEY] = {"baseline": round(time.monotonic() - started, 3)}
@@ -120,6 +121,7 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     if first:
         update["eager_ops_before"] = analysis.eager_ops_per_step
         update["reference_step_s"] = analysis.reference_step_s
+        update["reference_kernels"] = dict(analysis.reference.kernels_per_step) if analysis.reference is not None else None
     return update
 
 
@@ -447,7 +449,8 @@ def gate_summary(verdict: dict[str, Any]) -> dict[str, Any]:
             # per round, each side's median step (s): what the report plots the gate's decision from (busy rounds included)
             "round_medians": {"baseline": [statistics.median(r) for r in verdict.get("baseline_rounds") or [] if r],
                               "candidate": [statistics.median(r) for r in verdict.get("candidate_rounds") or [] if r]},
-            "look_rounds": speed.get("look_rounds"), "min_gain": speed.get("min_gain")}
+            "look_rounds": speed.get("look_rounds"), "min_gain": speed.get("min_gain"),
+            "device_kernels": verdict.get("device_kernels")}  # NPU kernels per step of both sides, where the emulation counts them
 
 
 def failure_tail(verdict: dict[str, Any]) -> Detail | None:

@@ -121,6 +121,8 @@ class RunState(TypedDict, total=False):
     baseline_step_s: float | None
     determinism: dict | None  # script mode: sandbox/script_determinism.DeterminismReport of the unmodified program (prepare)
     reference_step_s: float | None  # torch.compile of the original (the line the report draws)
+    baseline_kernels: int | None  # NPU kernels per step of the unmodified program, counted on the emulated device (prepare)
+    reference_kernels: dict[str, int] | None  # the torch.compile reference's kernels per step by phase (forward, backward)
     eager_ops_before: int | None
     eager_ops_now: int | None
     eager_ops_sha: str | None  # the head the last analysis counted `eager_ops_now` on (the report says "after" only for the final head)

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from trainbridge.tools.report.npu_kernels import npu_kernels_line
 from trainbridge.tools.report.page import render_html
 from trainbridge.tools.report.claims import MIN_RESULT_ROUNDS, combined_ci, ms, result_lines
 from trainbridge.tools.report.sections import (UNMEASURED, accepted_commits, candidates_section, eager_ops_line,
@@ -69,6 +70,9 @@ def _markdown(state, config, final, stop_reason, emulated_npu, kb_stats, kb_adde
     eager = eager_ops_line(state)
     if eager:
         lines += [eager, ""]
+    kernels = npu_kernels_line(state)
+    if kernels:
+        lines += [kernels, ""]
     lines += commits
     lines += intents_section(state)
     lines += candidates_section(state)
