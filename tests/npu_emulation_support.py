@@ -125,6 +125,7 @@ EMULATED_OPS = [
     "npu_apply_rotary_pos_emb", "npu_interleave_rope", "npu_cross_entropy_loss", "npu_cross_entropy_loss_backward",
     "npu_gelu", "npu_gelu_backward", "npu_fast_gelu", "npu_fast_gelu_backward", "fast_gelu", "npu_format_cast",
     "npu_format_cast_", "_npu_dropout_gen_mask",
+    "npu_moe_gating_top_k_softmax",
 ]
 
 

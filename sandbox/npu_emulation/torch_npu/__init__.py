@@ -29,6 +29,7 @@ from ._cross_entropy import npu_cross_entropy_loss, npu_cross_entropy_loss_backw
 from ._dropout_mask import _npu_dropout_gen_mask
 from ._format import get_npu_format, npu_format_cast, npu_format_cast_
 from ._gated import npu_geglu, npu_geglu_grad, npu_swiglu, npu_swiglu_backward
+from ._moe_gating import npu_moe_gating_top_k_softmax
 from ._norm import npu_add_rms_norm, npu_rms_norm, npu_rms_norm_backward
 from ._rope_ops import npu_apply_rotary_pos_emb, npu_interleave_rope
 from ._rotary import npu_rotary_mul, npu_rotary_mul_backward
@@ -57,6 +58,7 @@ __all__ = [
     "npu_gelu",
     "npu_gelu_backward",
     "npu_interleave_rope",
+    "npu_moe_gating_top_k_softmax",
     "npu_scaled_masked_softmax",
     "npu_scaled_masked_softmax_backward",
     "npu_add_rms_norm",
