@@ -16,10 +16,13 @@ from ._attention_checks import build_plan
 from ._checks import check_int, check_tensor, compute_dtype, sum_to_shape
 from ._generator import default_generator
 from .npu._state import current_index
+from .npu.graphs import refuse_capture
 
 OP = ap.OP
 # FlashAttentionKernelNpuOpApi.cpp dropout_gen_mask: philox_engine_inputs(10) (offset advances by 12)
 _PHILOX_INCREMENT = 10
+CAPTURE_HINT = ("torch_npu documents npu_fusion_attention as not supported in graph mode / aclgraph; capture "
+                "npu_fusion_attention_v3 (input_layout BNSD) instead")
 
 
 # --- math on one segment, BNSD ----------------------------------------------------------------
@@ -240,12 +243,28 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     sparse_mode=2, bottom-right sparse_mode=3, both with the 2048x2048 triu(diagonal=1) template.
     Dropout: seed/offset from the emulated NPU generator (torch.npu.manual_seed), offset +12 per
     call, never the host generator; the bits are the emulation's own (Philox on DSA is not reproducible).
+    The caller's seed/offset come back unchanged only with an external dropout_mask or keep_prob=1.
+    Not capturable in an NPUGraph (torch_npu doc: "not supported in graph mode / aclgraph").
     """
+    refuse_capture(OP, CAPTURE_HINT)
+    return fusion_attention(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
+                            keep_prob, pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen,
+                            actual_seq_kvlen, sparse_mode, gen_mask_parallel, sync, softmax_layout, sink,
+                            dropout_mask, seed, offset)
+
+
+def fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
+                     scale=1., keep_prob=1., pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0,
+                     prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
+                     sync=False, softmax_layout="", sink=None, dropout_mask=None, seed=0, offset=0, *,
+                     draw_seed=True):
+    """npu_fusion_attention's work, shared by v1/v2/v3. draw_seed=False keeps the caller's seed/offset for an
+    internally generated mask (v2 on Ascend950) instead of drawing them from the NPU generator."""
     plan, batch = build_plan(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
                              keep_prob, pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen,
                              actual_seq_kvlen, sparse_mode, softmax_layout, sink)
     seed_out, offset_out = _attach_dropout(plan, batch, dropout_mask, check_int(OP, "seed", seed),
-                                           check_int(OP, "offset", offset), draw=True)
+                                           check_int(OP, "offset", offset), draw=draw_seed)
     out, smax, ssum = _FusionAttention.apply(query, key, value, pse, sink, plan)
     softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)
     return out, smax, ssum, softmax_out, seed_out, offset_out, plan.numels

@@ -5,18 +5,27 @@ spelling, `query_rope`/`key_rope` (extra rope head dims: scores = scale * (q k^T
 `pse_type` 1 = v1 ("add pse, then scale"), 0 = `scale * q k^T + pse`; 2/3 (ALiBi generated inside
 the kernel from slopes, with q_start_idx/kv_start_idx) are not emulated and raise. Returns v1's
 7-tuple; npu_fusion_attention_grad_v2 returns (dq, dk, dv, dpse, dq_rope, dk_rope, dsink).
+Seed/offset of v2 (op-plugin FlashAttentionV2KernelNpuOpApi.cpp `dropout_gen_mask`): with
+0 < keep_prob < 1 and no dropout_mask, A2/A3 draw them from the NPU generator (the caller's values are
+overwritten, like v1), Ascend950 keeps the caller's values and makes the mask from them (_soc picks the
+chip); with an external dropout_mask or keep_prob=1 they come back as given on every chip.
 v3 (graph capture): v1's arguments, but actual_seq_* are CPU int64 tensors, no dropout_mask/seed/
-offset arguments, and seed/offset come back as int64 tensors (6 outputs, no numels);
-npu_fusion_attention_grad_v3 takes them as tensors.
+offset arguments, and seed/offset come back as int64 tensors (6 outputs, no numels): CPU tensors,
+device tensors inside an NPUGraph capture (torch_npu doc). npu_fusion_attention_grad_v3 takes them as
+tensors. v1 and v2 refuse a capture; v3 is captured for input_layout BNSD (what the doc says aclgraph
+supports) without dropout (per-replay Philox offsets are not emulated).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._attention import npu_fusion_attention, npu_fusion_attention_grad
+from ._attention import CAPTURE_HINT, fusion_attention, npu_fusion_attention_grad
+from ._soc import is_ascend950
+from .npu.graphs import is_current_stream_capturing, refuse_capture
 
 OP2 = "npu_fusion_attention_v2"
+OP3 = "npu_fusion_attention_v3"
 
 
 def _split_heads(t: torch.Tensor, layout: str, heads_dim_size: int):
@@ -76,14 +85,15 @@ def npu_fusion_attention_v2(query, key, value, head_num, input_layout, *, pse=No
                             actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
                             sync=False, pse_type=1, q_start_idx=None, kv_start_idx=None, softmax_layout="",
                             sink=None, dropout_mask=None, seed=0, offset=0):
-    """v2 of npu_fusion_attention: 7 outputs like v1 (take [0])."""
+    """v2 of npu_fusion_attention: 7 outputs like v1 (take [0]); seed/offset as in the module doc."""
+    refuse_capture(OP2, CAPTURE_HINT)
     _check_v2(pse_type, query_rope, key_rope, q_start_idx, kv_start_idx)
     q, k, pse_eff, _, _, _ = _v2_inputs(query, key, head_num, input_layout, pse, query_rope, key_rope, scale,
                                         pse_type)
-    return npu_fusion_attention(q, k, value, head_num, input_layout, pse_eff, padding_mask, atten_mask, scale,
-                                keep_prob, pre_tokens, next_tokens, inner_precise, prefix, actual_seq_qlen,
-                                actual_seq_kvlen, sparse_mode, gen_mask_parallel, sync, softmax_layout, sink,
-                                dropout_mask, seed, offset)
+    return fusion_attention(q, k, value, head_num, input_layout, pse_eff, padding_mask, atten_mask, scale,
+                            keep_prob, pre_tokens, next_tokens, inner_precise, prefix, actual_seq_qlen,
+                            actual_seq_kvlen, sparse_mode, gen_mask_parallel, sync, softmax_layout, sink,
+                            dropout_mask, seed, offset, draw_seed=not is_ascend950())
 
 
 def _split_back(grad: torch.Tensor, layout: str, d: int, dr: int | None):
@@ -130,19 +140,32 @@ def _seq_list(name: str, value):
     return [int(v) for v in value.reshape(-1).tolist()]
 
 
+def _check_capturable(input_layout, keep_prob) -> None:
+    if str(input_layout).upper() != "BNSD":
+        raise RuntimeError(f"{OP3}: aclgraph (NPUGraph capture) supports input_layout BNSD only (torch_npu doc), "
+                           f"got {input_layout!r}")
+    if keep_prob < 1:
+        raise NotImplementedError(f"{OP3}: dropout (keep_prob={keep_prob}) inside an NPUGraph capture is not emulated "
+                                  "by trainbridge (a replay draws a new Philox offset on the NPU)")
+
+
 def npu_fusion_attention_v3(query, key, value, head_num, input_layout, pse=None, padding_mask=None,
                             atten_mask=None, scale=1., keep_prob=1., pre_tockens=2147483647,
                             next_tockens=2147483647, inner_precise=0, prefix=None, actual_seq_qlen=None,
                             actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False,
                             softmax_layout="", sink=None):
     """v3: (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset) with seed/offset int64 tensors."""
-    out = npu_fusion_attention(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
-                               keep_prob, pre_tockens, next_tockens, inner_precise, prefix,
-                               _seq_list("actual_seq_qlen", actual_seq_qlen),
-                               _seq_list("actual_seq_kvlen", actual_seq_kvlen), sparse_mode, gen_mask_parallel,
-                               sync, softmax_layout, sink)
-    seed_t = torch.tensor([out[4]], dtype=torch.int64, device=query.device)
-    offset_t = torch.tensor([out[5]], dtype=torch.int64, device=query.device)
+    capturing = is_current_stream_capturing()
+    if capturing:
+        _check_capturable(input_layout, keep_prob)
+    out = fusion_attention(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
+                           keep_prob, pre_tockens, next_tockens, inner_precise, prefix,
+                           _seq_list("actual_seq_qlen", actual_seq_qlen),
+                           _seq_list("actual_seq_kvlen", actual_seq_kvlen), sparse_mode, gen_mask_parallel,
+                           sync, softmax_layout, sink)
+    where = query.device if capturing else "cpu"
+    seed_t = torch.tensor([out[4]], dtype=torch.int64, device=where)
+    offset_t = torch.tensor([out[5]], dtype=torch.int64, device=where)
     return out[0], out[1], out[2], out[3], seed_t, offset_t
 
 
@@ -153,8 +176,10 @@ def npu_fusion_attention_grad_v3(query, key, value, dy, head_num, input_layout, 
                                  actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
                                  sync=False, softmax_layout="", sink=None):
     """(dq, dk, dv, dpse, dsink); seed/offset are the v3 forward's tensors."""
-    seed_i = int(seed.reshape(-1)[0]) if isinstance(seed, torch.Tensor) else 0
-    offset_i = int(offset.reshape(-1)[0]) if isinstance(offset, torch.Tensor) else 0
+    # read on the host only where dropout needs them (a capture refuses host reads of device tensors)
+    drops = keep_prob < 1
+    seed_i = int(seed.reshape(-1)[0]) if drops and isinstance(seed, torch.Tensor) else 0
+    offset_i = int(offset.reshape(-1)[0]) if drops and isinstance(offset, torch.Tensor) else 0
     return npu_fusion_attention_grad(
         query, key, value, dy, head_num, input_layout, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask,
         softmax_max=softmax_max, softmax_sum=softmax_sum, softmax_in=softmax_in, attention_in=attention_in,

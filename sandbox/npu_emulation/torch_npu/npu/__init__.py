@@ -3,7 +3,8 @@
 Device queries answer for one emulated device (TRAINBRIDGE_EMULATED_NPU_COUNT overrides the count,
 read at call time, for multi-process runs); synchronisation is a no-op (CPU ops are synchronous);
 memory statistics are the process's resident memory (psutil / /proc), since tensors live in host
-memory; seeds and RNG state are the emulated NPU generator's (torch_npu._generator).
+memory; seeds and RNG state are the emulated NPU generator's (torch_npu._generator); graph capture
+and replay (NPUGraph, graph) are in .graphs, make_graphed_callables in .graphed_callables.
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ __all__ = [
     "initial_seed", "get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all",
     "is_bf16_supported", "get_amp_supported_dtype", "device", "device_of", "Stream", "Event", "stream",
     "current_stream", "default_stream", "set_stream", "amp", "config", "set_compile_mode", "is_jit_compile_false",
-    "get_npu_overflow_flag", "clear_npu_overflow_flag",
+    "get_npu_overflow_flag", "clear_npu_overflow_flag", "NPUGraph", "graph", "graph_pool_handle",
+    "is_current_stream_capturing", "make_graphed_callables",
 ]
 
 from ._state import _index, current_index, device_count, set_current
+from .graphed_callables import make_graphed_callables
+from .graphs import NPUGraph, graph, graph_pool_handle, is_current_stream_capturing
 from .._generator import all_generators, default_generator
 
 

@@ -1,7 +1,7 @@
 """torch_npu.testing.common_utils stand-in: SupportedDevices and create_common_tensor.
 
-The emulated device counts as an Atlas A2 (Ascend910B) chip: tests marked for other SoCs are
-skipped, as on such a host.
+The emulated device counts as the chip torch_npu._soc names (Atlas A2, Ascend910B, unless
+TRAINBRIDGE_EMULATED_NPU_SOC says otherwise): tests marked for other SoCs are skipped, as on such a host.
 """
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ import unittest
 import numpy as np
 import torch
 
-EMULATED_SOC = "Ascend910B"
+from .._soc import soc_version
 
 
 def SupportedDevices(devices):  # noqa: N802 (upstream name)
     def decorator(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            if not any(EMULATED_SOC.startswith(d) or d.startswith(EMULATED_SOC) for d in devices):
-                raise unittest.SkipTest(f"for {devices}; the emulation is {EMULATED_SOC}")
+            soc = soc_version()
+            if not any(soc.startswith(d) or d.startswith(soc) for d in devices):
+                raise unittest.SkipTest(f"for {devices}; the emulation is {soc}")
             return fn(*args, **kwargs)
         return wrapper
     return decorator
