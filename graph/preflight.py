@@ -69,7 +69,17 @@ def check_run_input(config: RunConfig, env: Mapping[str, str] | None = None) -> 
         LLMConfig.from_env(env if env is not None else os.environ)  # half-set LLM variables fail here, not mid-run
     except LLMConfigError as exc:
         raise RunInputError(str(exc)) from None
-    return [*confinement_notes(config), *user.notes, *rounds_notes(config)]
+    return [*confinement_notes(config), *user.notes, *rounds_notes(config), *shown_files_notes(workload, user.root)]
+
+
+def shown_files_notes(workload, checkout: Path) -> list[str]:
+    """Script mode: which files of the checkout outside git every run shows the script, read-only (zero config:
+    sandbox/script/ignored.py)."""
+    if workload.config.mode != "script":
+        return []
+    from trainbridge.sandbox.script.ignored import ignored_inputs
+
+    return ignored_inputs(checkout).notes(workload.config.data)
 
 
 def rounds_notes(config: RunConfig) -> list[str]:

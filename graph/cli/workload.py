@@ -209,6 +209,9 @@ def _print_result(root: Path, result: RunResult, out: Console) -> None:
     sources = (result.extra.get("script") or {}).get("loss_sources")
     if sources:  # script mode: backward's scalars, GradScaler's unscaled, or the printed loss (sandbox/script/loss.py)
         table.add_row("loss from", ", ".join(f"{name} ({count} steps)" for name, count in sources.items()))
+    shown = (result.extra.get("script") or {}).get("data_shown")
+    if shown:  # a worktree's run: the checkout's files outside git, shown read-only (sandbox/script/ignored.py)
+        table.add_row("shown read-only", ", ".join(shown[:4]) + (f" and {len(shown) - 4} more" if len(shown) > 4 else ""))
     if result.peak_memory_bytes:
         table.add_row("peak memory", f"{result.peak_memory_bytes / 2**20:.0f} MiB")
     if result.kernels_per_step is not None:  # the emulated NPU counts them (sandbox/device_kernels.py)

@@ -10,6 +10,11 @@ symlinks:
 - every ``data = [...]`` entry of trainbridge.toml, linked to the user's checkout's copy (a folder
   that also exists in the worktree is merged entry by entry, so tracked files come from the
   worktree and ignored ones from the checkout); nothing is copied, whatever its size;
+- when the run's root is a worktree of the checkout (``trainbridge run``), every other git-ignored entry of
+  the checkout that is an input by its name (sandbox/script/ignored.py: not hidden, not an output, cache or
+  environment folder), shown without hiding anything already there: folders as real folders of links (up to
+  SHOWN_ENTRIES entries, then linked whole), so a file the script creates beside its data lands in the scratch
+  folder. Zero config: the user lists nothing (`RunDir.shown` says what was shown, `RunDir.skipped` what not);
 - anything the script creates (``out/ckpt.pt``, logs) is a new file in the mirror: the scratch
   folder, removed with the run.
 
@@ -27,6 +32,7 @@ from pathlib import Path
 
 SNAPSHOT_LIMIT = 20_000  # files per data entry compared before/after a run
 MIRROR_ENTRIES = 5_000  # folders of the worktree are mirrored as real folders up to this many entries, then linked whole
+SHOWN_ENTRIES = 20_000  # the same for the checkout's git-ignored folders shown without a data entry
 
 
 class DataPathError(ValueError):
@@ -38,6 +44,10 @@ class RunDir:
     cwd: Path
     protected: list[Path]
     data_sources: dict[str, Path] = field(default_factory=dict)  # data entry -> where its files come from
+    shown: dict[str, Path] = field(default_factory=dict)  # git-ignored entry shown without a data entry -> its source
+    skipped: dict[str, str] = field(default_factory=dict)  # git-ignored entry left out -> why
+    notes: list[str] = field(default_factory=list)
+    checkout: Path | None = None  # the user's checkout the data comes from
 
 
 def user_checkout(root: Path) -> Path:
@@ -57,13 +67,14 @@ def user_checkout(root: Path) -> Path:
     return common.parent if common.name == ".git" else root
 
 
-def make_run_dir(root: Path, data: list[str], dest: Path) -> RunDir:
-    """Build the mirror of `root` at `dest` (see the module doc); raises DataPathError for a missing data entry."""
+def make_run_dir(root: Path, data: list[str], dest: Path, *, show_ignored: bool = True) -> RunDir:
+    """Build the mirror of `root` at `dest` (see the module doc); raises DataPathError for a missing data entry.
+    `show_ignored`: also show the checkout's other git-ignored inputs when `root` is a worktree of it."""
     root = Path(root).resolve()
     checkout = user_checkout(root)
     dest.mkdir(parents=True, exist_ok=True)
     _mirror(root, dest, [MIRROR_ENTRIES], top=True)
-    run_dir = RunDir(cwd=dest, protected=sorted({root, checkout}))
+    run_dir = RunDir(cwd=dest, protected=sorted({root, checkout}), checkout=checkout)
     for raw in data:
         rel = Path(raw.rstrip("/"))
         sources = [base / rel for base in dict.fromkeys((root, checkout)) if os.path.lexists(base / rel)]
@@ -73,7 +84,55 @@ def make_run_dir(root: Path, data: list[str], dest: Path) -> RunDir:
                                 "in trainbridge.toml")
         _merge(dest, rel, sources)
         run_dir.data_sources[raw] = sources[-1]
+    if show_ignored and checkout != root:
+        _show_ignored(run_dir, checkout, data)
     return run_dir
+
+
+def _show_ignored(run_dir: RunDir, checkout: Path, data: list[str]) -> None:
+    """Show the checkout's git-ignored inputs in the mirror (module doc), beside the data entries (which come first)."""
+    from trainbridge.sandbox.script.ignored import ignored_inputs
+
+    found = ignored_inputs(checkout)
+    if found.note:
+        run_dir.notes.append(found.note)
+    run_dir.skipped = dict(found.skipped)
+    listed = [Path(raw.rstrip("/")) for raw in data]
+    budget = [SHOWN_ENTRIES]
+    for entry in found.shown:
+        rel = Path(entry.rstrip("/"))
+        if any(rel == d or rel.is_relative_to(d) for d in listed):
+            continue  # a data entry shows it already
+        source = checkout / rel
+        if not os.path.lexists(source):
+            continue
+        parent = run_dir.cwd
+        for part in rel.parts[:-1]:
+            _explode(parent / part)
+            parent = parent / part
+        _overlay(source, parent / rel.name, budget)
+        run_dir.shown[entry] = source
+
+
+def _overlay(source: Path, target: Path, budget: list[int]) -> None:
+    """Show `source` at `target` without hiding what is there: a new name is linked (a folder as real folders of
+    links while `budget` lasts), a folder already there gets the names it lacks; a file already there stays."""
+    if not os.path.lexists(target):
+        budget[0] -= 1
+        if source.is_dir() and not source.is_symlink() and budget[0] > 0:
+            target.mkdir()
+            _mirror(source, target, budget)
+        else:
+            os.symlink(source, target)
+        return
+    if not (source.is_dir() and target.is_dir()):
+        return
+    if target.is_symlink():
+        if Path(os.readlink(target)) == source:
+            return
+        _explode(target)
+    for name in sorted(os.listdir(source)):
+        _overlay(source / name, target / name, budget)
 
 
 def _mirror(source: Path, dest: Path, budget: list[int], *, top: bool = False) -> None:

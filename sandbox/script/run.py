@@ -8,6 +8,7 @@ failures of a script (a timeout before any step, an early exit) into messages th
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +70,12 @@ def prepare(workload: Workload, *, backend: str, mode: str, tmp_dir: Path, extra
                # the printed loss: the fallback when backward() saw no scalar, the source when the toml sets its own pattern
                "loss_pattern": config.loss_pattern, "loss_pattern_preferred": config.loss_pattern != DEFAULT_LOSS_PATTERN,
                **(extra_request or {})}
-    return ScriptSetup(request=request, run_dir=run_dir, spec=spec, data_before=snapshot(list(run_dir.data_sources.values())))
+    return ScriptSetup(request=request, run_dir=run_dir, spec=spec, data_before=snapshot(_read_only_sources(run_dir)))
+
+
+def _read_only_sources(run_dir: RunDir) -> list[Path]:
+    """The checkout's files the run shows (data entries and git-ignored inputs), compared before and after it."""
+    return [*run_dir.data_sources.values(), *run_dir.shown.values()]
 
 
 def launch_problem(workload: Workload) -> str | None:
@@ -94,8 +100,10 @@ def finish(result: RunResult, setup: ScriptSetup, closing: dict[str, Any] | None
     if (closing or {}).get("notes"):
         info["notes"] = list(closing["notes"])
     info.update(launch=setup.spec.line, cwd=str(setup.run_dir.cwd), data={k: str(v) for k, v in setup.run_dir.data_sources.items()},
-                overrides=setup.request["overrides"])
-    touched = changed(setup.data_before, snapshot(list(setup.run_dir.data_sources.values())))
+                overrides=setup.request["overrides"], data_shown=list(setup.run_dir.shown), data_skipped=dict(setup.run_dir.skipped))
+    if setup.run_dir.notes:
+        info["notes"] = [*info.get("notes", []), *setup.run_dir.notes]
+    touched = changed(setup.data_before, snapshot(_read_only_sources(setup.run_dir)))
     info["data_changed"] = touched
     result.extra["script"] = info
     failure = result.failure
@@ -113,6 +121,35 @@ def finish(result: RunResult, setup: ScriptSetup, closing: dict[str, Any] | None
                            "limit: raise timeout_s or shrink it with [overrides])")
     if failure.kind in (FailureKind.bad_workload, FailureKind.timeout, FailureKind.crashed) and output and not failure.traceback_tail:
         failure.traceback_tail = output
+    if failure.message.startswith(MISSING_FILE):
+        failure.message = missing_file_hint(failure.message, setup.run_dir)
     if "its output tail is below" in failure.message and output:
         failure.message = failure.message.replace("its output tail is below", f"its output ends: {output[-600:]}")
     return result
+
+
+MISSING_FILE = "the script needs a file that is missing: "  # the launcher's message (sandbox/script/launcher.py)
+
+
+def missing_file_hint(message: str, run_dir: RunDir) -> str:
+    """The launcher's missing-file message, told what the run knows: the file is in the user's checkout but was left
+    out by its name (an output or cache folder: the data entry that shows it), or it is nowhere there."""
+    match = re.match(re.escape(MISSING_FILE) + r"'([^']+)'", message)
+    if match is None or run_dir.checkout is None:
+        return message
+    name, path = match.group(1), Path(match.group(1))
+    rel = Path(os.path.normpath(path.relative_to(run_dir.cwd) if path.is_absolute() and path.is_relative_to(run_dir.cwd) else path))
+    if rel.is_absolute() or ".." in rel.parts:
+        return message
+    checkout = run_dir.checkout
+    if (checkout / rel).exists():
+        skipped = next(((entry, why) for entry, why in run_dir.skipped.items()
+                        if rel.as_posix() == entry.rstrip("/") or rel.as_posix().startswith(entry.rstrip("/") + "/")), None)
+        entry, why = skipped if skipped else (rel.as_posix(), "")
+        return (f"{MISSING_FILE}{name!r}: it is in your checkout ({checkout / rel}) but the run did not show it"
+                f"{f' ({entry}: {why})' if why else ''}. Add data = [\"{entry}\"] to trainbridge.toml and every run sees "
+                "it read-only (with `-- <launch line>` too: a trainbridge.toml still gives its data)")
+    return (f"{MISSING_FILE}{name!r} (working directory: the run's mirror of the repository): it is not in your checkout "
+            f"({checkout}) either, and the run shows the checkout's git-ignored files read-only by itself. Create it there "
+            "first (the repository's data preparation step; its README says which), or, if the script reads it from "
+            "elsewhere in the repository under another name, list that in data = [...] of trainbridge.toml")

@@ -1,0 +1,122 @@
+"""Zero config (issue 30, item 1): a run in a worktree of the user's checkout sees the checkout's files outside git that
+the script reads (git-ignored token data, an untracked input.txt), read-only, without a `data = [...]` line; outputs,
+caches and environments stay out, and the run says what it showed. Tiny repositories of tests/zero_config_repos.py in
+temporary git repositories; real sandbox children."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainbridge.graph.preflight import shown_files_notes
+from trainbridge.sandbox.results import FailureKind
+from trainbridge.sandbox.runner import run_workload
+from trainbridge.sandbox.script.files import make_run_dir
+from trainbridge.sandbox.script.ignored import ignored_inputs, not_an_input
+from trainbridge.sandbox.workload import workload_for_launch
+from trainbridge.tests.zero_config_repos import git, mingpt_style, nanogpt_style, write
+
+CPU_LINE = "python train.py config/train_shakespeare_char.py --device=cpu"
+
+
+def worktree(user: Path, tmp_path: Path, name: str = "wt") -> Path:
+    """A worktree of the user's checkout on a branch of its own, as `trainbridge run` makes one."""
+    path = tmp_path / name
+    git(user, "worktree", "add", "-q", "-b", f"trainbridge/{name}", str(path))
+    return path
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and ".git" not in p.relative_to(root).parts}
+
+
+@pytest.mark.parametrize(("entry", "left_out"), [
+    ("data/shakespeare_char/train.bin", False), ("data/", False), ("meta.pkl", False), ("input.txt", False),
+    ("tokenizer/vocab.json", False), ("build_data/x.bin", False),
+    (".venv/", True), (".env", True), ("data/.cache/x", True), ("out/", True), ("out-shakespeare-char/", True),
+    ("out_ddp/ckpt.pt", True), ("checkpoints/", True), ("runs/exp1/", True), ("wandb/", True), ("lib/__pycache__/", True),
+    ("mypkg.egg-info/", True), ("train.log", True), ("model.pyc", True), ("lightning_logs/", True),
+])
+def test_what_counts_as_an_input_by_its_name(entry, left_out):
+    assert (not_an_input(entry) is not None) == left_out, not_an_input(entry)
+
+
+def test_the_checkouts_ignored_and_untracked_inputs_are_listed_and_code_is_not(tmp_path):
+    user = nanogpt_style(tmp_path / "user")
+    write(user, {"notes/input.txt": "hello", "scratch.py": "print('uncommitted code')\n", "tools/helper.py": "x = 1\n"})
+    found = ignored_inputs(user)
+    assert found.shown == ["data/shakespeare_char/meta.pkl", "data/shakespeare_char/train.bin", "data/shakespeare_char/val.bin",
+                           "notes/"], found
+    assert set(found.skipped) == {".venv/", "out-shakespeare-char/", "scratch.py", "tools/"}
+    assert "untracked code (helper.py)" in found.skipped["tools/"] and "named like an output" in found.skipped["out-shakespeare-char/"]
+    assert found.skipped_reason("out-shakespeare-char/ckpt.pt") == ("out-shakespeare-char/", found.skipped["out-shakespeare-char/"])
+    note, = found.notes(data=["data/"])
+    assert note.startswith("the script sees these files of your checkout outside git, read-only: notes/ (left out: ")
+    assert found.notes(data=["data/", "notes"]) == []
+
+
+def test_the_mirror_of_a_worktree_shows_them_without_hiding_the_worktree_and_new_files_land_in_scratch(tmp_path):
+    user = nanogpt_style(tmp_path / "user")
+    (user / "data" / "shakespeare_char" / "prepare.py").write_text("changed in the checkout, not committed\n")
+    wt = worktree(user, tmp_path)
+    run_dir = make_run_dir(wt, [], tmp_path / "cwd")
+    mirror = run_dir.cwd / "data" / "shakespeare_char"
+    assert (mirror / "train.bin").resolve() == (user / "data" / "shakespeare_char" / "train.bin").resolve()
+    assert (mirror / "prepare.py").read_text() == (wt / "data" / "shakespeare_char" / "prepare.py").read_text()  # tracked: the worktree's
+    assert not (run_dir.cwd / "out-shakespeare-char").exists() and not (run_dir.cwd / ".venv").exists()
+    assert not mirror.is_symlink()  # a real folder: a file the script writes beside its data lands in scratch
+    (mirror / "cache.npy").write_bytes(b"x")
+    assert not (user / "data" / "shakespeare_char" / "cache.npy").exists()
+    assert list(run_dir.shown) == ["data/shakespeare_char/meta.pkl", "data/shakespeare_char/train.bin", "data/shakespeare_char/val.bin"]
+    assert make_run_dir(wt, [], tmp_path / "cwd-off", show_ignored=False).shown == {}
+    assert not (tmp_path / "cwd-off" / "data" / "shakespeare_char" / "train.bin").exists()
+
+
+def test_a_nanogpt_style_run_in_a_worktree_reads_the_ignored_data_without_a_toml_and_leaves_the_checkout_alone(tmp_path):
+    user = nanogpt_style(tmp_path / "user")
+    before = files_of(user)
+    wt = worktree(user, tmp_path)
+    assert not (wt / "trainbridge.toml").exists() and not (wt / "data" / "shakespeare_char" / "train.bin").exists()
+    result = run_workload(workload_for_launch(wt, CPU_LINE).with_overrides(steps=2, warmup_steps=1))
+    assert result.ok, (result.failure, result.stderr_tail[-2000:])
+    script = result.extra["script"]
+    assert script["data"] == {} and script["data_shown"] == [f"data/shakespeare_char/{n}" for n in ("meta.pkl", "train.bin", "val.bin")]
+    assert set(script["data_skipped"]) == {".venv/", "out-shakespeare-char/"} and script["data_changed"] == []
+    assert files_of(user) == before and git(wt, "status", "--porcelain") == ""
+    notes = shown_files_notes(workload_for_launch(user, CPU_LINE), user)  # what `trainbridge run` says before it starts
+    assert notes == ["the script sees these files of your checkout outside git, read-only: data/shakespeare_char/meta.pkl, "
+                     "data/shakespeare_char/train.bin, data/shakespeare_char/val.bin (left out: .venv/, out-shakespeare-char/: "
+                     "outputs, caches, environments; data = [...] in trainbridge.toml shows one)"]
+
+
+def test_a_file_left_out_by_its_name_is_named_with_the_data_entry_that_shows_it(tmp_path):
+    user = nanogpt_style(tmp_path / "user")
+    tokens_dir = user / "out-shakespeare-char"  # the data lives where an output would (prepared into an out-* folder)
+    for name in ("train.bin", "val.bin", "meta.pkl"):
+        (tokens_dir / name).write_bytes((user / "data" / "shakespeare_char" / name).read_bytes())
+    wt = worktree(user, tmp_path)
+    line = CPU_LINE + " --dataset=../out-shakespeare-char"
+    result = run_workload(workload_for_launch(wt, line).with_overrides(steps=1, warmup_steps=0))
+    assert result.failure is not None and result.failure.kind == FailureKind.bad_workload
+    message = result.failure.message
+    assert "needs a file that is missing: 'data/../out-shakespeare-char/meta.pkl'" in message, message
+    assert f"it is in your checkout ({user}/" in message and 'data = ["out-shakespeare-char/"]' in message, message
+
+
+def test_a_file_that_is_nowhere_says_to_create_it(tmp_path):
+    user = nanogpt_style(tmp_path / "user", data=False)
+    wt = worktree(user, tmp_path)
+    result = run_workload(workload_for_launch(wt, CPU_LINE).with_overrides(steps=1, warmup_steps=0))
+    assert result.failure is not None and result.failure.kind == FailureKind.bad_workload
+    assert "'data/shakespeare_char/meta.pkl'" in result.failure.message and "not in your checkout" in result.failure.message
+    assert "Create it there first" in result.failure.message
+
+
+def test_an_untracked_input_beside_a_script_of_a_subfolder_is_shown(tmp_path):
+    user = mingpt_style(tmp_path / "user")
+    wt = worktree(user, tmp_path)
+    run_dir = make_run_dir(wt, [], tmp_path / "cwd")
+    assert list(run_dir.shown) == ["projects/chargpt/input.txt"]
+    assert (run_dir.cwd / "projects" / "chargpt" / "input.txt").read_text() == (user / "projects/chargpt/input.txt").read_text()
