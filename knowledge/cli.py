@@ -23,6 +23,7 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
 
+from trainbridge.knowledge.cli_json import json_option, to_stdout, write_json
 from trainbridge.knowledge.jsonl import KBFileError
 from trainbridge.knowledge.schema import Recipe, RecipeFileError, Target, load_recipe_file
 from trainbridge.knowledge.store import KnowledgeBase, KnowledgeBaseError
@@ -121,17 +122,20 @@ def list_cmd(
     target: Annotated[Optional[str], typer.Option(help="Only recipes for this backend: cpu, cuda or npu.", callback=_target)] = None,
     kb_dir: KbDir = None,
     kb_url: KbUrl = None,
+    json_out: Optional[Path] = json_option("recipes listed (every field of each, as `kb show --json` gives one)"),
 ) -> None:
     """List recipes with their targets, numerics class and outcome counts."""
     with _open(kb_dir, kb_url) as kb:
         recipes = kb.list_recipes(category=category, target=target)
-        out.print(_recipe_table(recipes, f"{len(recipes)} recipe(s) in {kb.location}"))
+        if not to_stdout(json_out):
+            out.print(_recipe_table(recipes, f"{len(recipes)} recipe(s) in {kb.location}"))
+        write_json(json_out, [r.model_dump(mode="json") for r in recipes])
 
 
 @kb_app.command()
 def show(
     recipe_id: Annotated[str, typer.Argument(help="Recipe id, as `trainbridge kb list` shows it.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print the full record as JSON.")] = False,
+    json_out: Optional[Path] = json_option("recipe's full record"),
     outcomes: Annotated[int, typer.Option(help="How many recent outcomes to show.")] = 10,
     kb_dir: KbDir = None,
     kb_url: KbUrl = None,
@@ -142,8 +146,8 @@ def show(
         if recipe is None:
             err.print(f"[red]error:[/red] no recipe {recipe_id!r} in {kb.location}; `trainbridge kb list` shows the ids")
             raise typer.Exit(1)
-        if as_json:
-            out.print_json(recipe.model_dump_json())
+        write_json(json_out, recipe.model_dump(mode="json"))
+        if to_stdout(json_out):
             return
         n = recipe.numerics
         tol = "" if n.class_ == "exact" else f" rtol={n.rtol} atol={n.atol} loss_rtol={n.loss_rtol}"
@@ -245,15 +249,15 @@ def export(
 
 @kb_app.command()
 def stats(
-    as_json: Annotated[bool, typer.Option("--json", help="Print as JSON.")] = False,
+    json_out: Optional[Path] = json_option("counts"),
     kb_dir: KbDir = None,
     kb_url: KbUrl = None,
 ) -> None:
     """Counts: recipes per category and backend, outcomes accepted and rejected."""
     with _open(kb_dir, kb_url) as kb:
         s = kb.stats()
-        if as_json:
-            out.print_json(s.model_dump_json())
+        write_json(json_out, s.model_dump(mode="json"))
+        if to_stdout(json_out):
             return
         table = Table(title=f"knowledge base {s.location}")
         table.add_column("what")

@@ -42,7 +42,7 @@ def test_cli_commands(tmp_path):
 
     shown = invoke("show", "rmsnorm-npu-rms-norm", "--kb-dir", kbdir)
     assert shown.exit_code == 0 and "npu_rms_norm" in shown.output and "pitfall: Returns (y, rstd)" in shown.output
-    as_json = invoke("show", "gelu-tanh-functional", "--json", "--kb-dir", kbdir)
+    as_json = invoke("show", "gelu-tanh-functional", "--json", "-", "--kb-dir", kbdir)
     assert Recipe.model_validate_json(as_json.output).id == "gelu-tanh-functional"
     missing = invoke("show", "nope", "--kb-dir", kbdir)
     assert missing.exit_code == 1 and "no recipe 'nope'" in missing.output
@@ -66,7 +66,7 @@ def test_cli_commands(tmp_path):
     imported = invoke("import", str(tmp_path / "kb.jsonl"), "--kb-dir", str(tmp_path / "other"))
     assert imported.exit_code == 0 and "imported 1 recipe(s) and 0 outcome(s)" in imported.output
 
-    stats = invoke("stats", "--json", "--kb-dir", str(tmp_path / "other"))
+    stats = invoke("stats", "--json", "-", "--kb-dir", str(tmp_path / "other"))
     assert json.loads(stats.output)["recipes"] == n_seeds + 1
     table = invoke("stats", "--kb-dir", kbdir)
     assert table.exit_code == 0 and "category rmsnorm" in table.output

@@ -56,11 +56,11 @@ def test_a_run_whose_baseline_fails_reads_failed_with_its_cause_and_a_held_lock_
     shown = subprocess.run([sys.executable, "-m", "trainbridge", "status"], capture_output=True, text=True, timeout=300,
                            env={**os.environ, "TRAINBRIDGE_HOME": str(home)})
     assert shown.returncode == 0 and shown.stdout.startswith("broken: failed at "), shown.stdout + shown.stderr
-    listed = subprocess.run([sys.executable, "-m", "trainbridge", "status", "--json"], capture_output=True, text=True,
+    listed = subprocess.run([sys.executable, "-m", "trainbridge", "status", "--json", "-"], capture_output=True, text=True,
                             timeout=300, env={**os.environ, "TRAINBRIDGE_HOME": str(home)})
     (record,) = json.loads(listed.stdout)  # JSON and nothing else on stdout
     assert record["run_id"] == "broken" and record["condition"].startswith("failed at ") and record["finished"] is False
-    one = subprocess.run([sys.executable, "-m", "trainbridge", "status", "broken", "--json"], capture_output=True,
+    one = subprocess.run([sys.executable, "-m", "trainbridge", "status", "broken", "--json", "-"], capture_output=True,
                          text=True, timeout=300, env={**os.environ, "TRAINBRIDGE_HOME": str(home)})
     assert json.loads(one.stdout)["failure"]["type"] == type(stopped.value).__name__
 

@@ -24,12 +24,42 @@ def say(message: str) -> None:
     console.print(f"[dim]{datetime.now():%H:%M:%S}[/] {message}", soft_wrap=True, highlight=False)
 
 
+QUIET, DEFAULT, VERBOSE = -1, 0, 1
+
+
+def verbosity(verbose: bool, quiet: bool) -> int:
+    if verbose and quiet:
+        raise typer.BadParameter("give -v (more) or -q (less), not both", param_hint="-v/-q")
+    return VERBOSE if verbose else QUIET if quiet else DEFAULT
+
+
+def say_at(level: int):
+    """`say` for a run at this verbosity (graph/lines.py): -q keeps the verdict lines only, the default adds the
+    phases and the gate's progress, -v also a failed child's stderr tail. The run's log file keeps every line."""
+    from trainbridge.graph.lines import Detail, VerdictLine
+
+    def emit(message: str) -> None:
+        if isinstance(message, Detail) and level < VERBOSE:
+            return
+        if level <= QUIET and not isinstance(message, VerdictLine):
+            return
+        say(message)
+
+    return emit
+
+
 def print_outcome(name: str, waiting: dict | None, state: dict, finished: bool, *, review_command: str,
-                  where: str = "", show_report: bool = True) -> bool:
+                  where: str = "", show_report: bool = True, quiet: bool = False) -> bool:
     """A paused or finished run as the CLI shows it (local or served: `where` says on which machine the
-    branch and report are). Returns False when the run is neither, for the caller to say what it is."""
+    branch and report are); `quiet`: in one line. Returns False when the run is neither, for the caller to say
+    what it is."""
     from trainbridge.graph.runs import summary_line
 
+    if quiet and finished and waiting is None:
+        report = next((p for p in state.get("report_paths") or [] if p.endswith("report.md")), None)
+        console.print(f"run {name} finished: {state.get('stop_reason')}; {summary_line(state)}; branch {state.get('run_branch')}"
+                      + (f"; report {report}" if report else ""), soft_wrap=True, markup=False, highlight=False)
+        return True
     if waiting is not None:
         console.print(f"[yellow]paused for review[/] of candidate {waiting.get('candidate')} ({(waiting.get('intent') or {}).get('category')}); "
                       f"answer with: {review_command}", soft_wrap=True)

@@ -12,7 +12,8 @@ from typing import Optional
 import typer
 from pydantic import ValidationError
 
-from trainbridge.graph.cli.display import ask_decision, print_outcome, say as _say, show_review
+from trainbridge.graph.cli.display import DEFAULT, QUIET, ask_decision, print_outcome, say as _say, say_at, show_review, verbosity
+from trainbridge.graph.cli.json_output import json_option, outcome_condition, run_record, to_stdout, write_json
 from trainbridge.graph.cli.inputs import TargetChoice, config_errors, default_run_id, examples_dir, parse_duration, valid_run_id
 from trainbridge.graph.cli.serve import review_on_server, run_on_server, served_run_status
 from trainbridge.graph.cli.terminal import console
@@ -42,10 +43,22 @@ def _checkpoint_url(given: Optional[str]) -> Optional[str]:
         raise typer.Exit(2) from None
 
 
-def _report_outcome(outcome) -> None:
+def _report_outcome(outcome, json_out: Optional[Path] = None, level: int = DEFAULT) -> None:
+    """The outcome for a person (the report's markdown on stdout unless stdout carries the JSON, or -q), and the run's
+    record for `--json`."""
     if not print_outcome(outcome.run_id, outcome.waiting_for_review, outcome.state, outcome.finished,
-                         review_command=f"trainbridge review {outcome.run_id}"):
+                         review_command=f"trainbridge review {outcome.run_id}", show_report=not to_stdout(json_out) and level > QUIET,
+                         quiet=level <= QUIET):
         console.print(f"run {outcome.run_id} stopped at {outcome.state.get('node')}; continue with: trainbridge resume {outcome.run_id}")
+    write_json(json_out, run_record(outcome.run_id, outcome.state, condition=outcome_condition(outcome)))
+
+
+def _verbose_option():
+    return typer.Option(False, "--verbose", "-v", help="Also show a failed candidate's stderr tail (the gate's progress lines are shown by default).")
+
+
+def _quiet_option():
+    return typer.Option(False, "--quiet", "-q", help="Show only the verdict lines and the final line (run.log in the run's folder keeps every line).")
 
 
 def run(
@@ -68,6 +81,9 @@ def run(
     devices: Optional[str] = typer.Option(None, "--devices", help="Judge up to this many candidates at once, each gate on a slot of its own: cpu:2 (two slots of pinned cores), cuda:0,1, npu:0-7. The run branch still moves one verified commit at a time."),
     unconfined: bool = typer.Option(False, "--unconfined", envvar="TRAINBRIDGE_UNCONFINED", help="Judge candidates even where this machine cannot confine them (no bubblewrap or no user namespaces; without this such a run is refused): they can then write wherever you can and see your processes. Every verdict and the report say so."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Run the gates as Ray tasks on this cluster (auto, or its address), each asking for one device; pip install 'trainbridge\\[team]'."),
+    json_out: Optional[Path] = json_option("run's record when the command returns (finished, paused or failed: its accepted commits, verdicts, closing comparison, report paths)"),
+    verbose: bool = _verbose_option(),
+    quiet: bool = _quiet_option(),
     launch: Optional[list[str]] = typer.Argument(None, metavar="[-- LAUNCH...]", help="Script mode: the command the repository trains with, after `--` (e.g. `-- python train.py --batch_size=4`); replaces trainbridge.toml's launch/entry/command for this run (a trainbridge.toml, when committed, still gives steps, data and overrides)."),
 ) -> None:
     """Run the whole loop on a repository: analyse, rewrite, gate, keep what is faster; leave a branch and a report.
@@ -79,6 +95,8 @@ def run(
     from trainbridge.graph.state import RunConfig
 
     repo, target = repo.resolve(), TargetChoice(target).value
+    level = verbosity(verbose, quiet)
+    say = say_at(level)
     line = None
     if launch:
         from trainbridge.graph.cli.workload import launch_line
@@ -111,24 +129,25 @@ def run(
 
     try:  # before anything of the run exists: a bad repository leaves no run record behind
         for note in check_run_input(config):
-            _say(note)
+            say(note)
     except RunInputError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
-    _say(f"run {name} on {repo} (target {target}); resume with: trainbridge resume {name}")
+    say(f"run {name} on {repo} (target {target}); resume with: trainbridge resume {name}")
     try:
-        outcome = start_run(config, say=_say)
+        outcome = start_run(config, say=say)
     except RunError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
     except _stopping_errors() as exc:
         _error(f"run {name} stopped: {exc}\n(fix the cause, then: trainbridge resume {name}; or remove the run, its branches "
                f"and worktrees: trainbridge rm {name})")
+        write_json(json_out, run_record(name, {}, condition="failed", error=str(exc)))
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         _error(f"run {name} interrupted; its last checkpoint is kept: continue it with `trainbridge resume {name}`")
         raise
-    _report_outcome(outcome)
+    _report_outcome(outcome, json_out, level)
 
 
 def run_condition(info: dict, run_id: str) -> str:
@@ -162,23 +181,28 @@ def _stopping_errors() -> tuple[type[BaseException], ...]:
 
 def resume(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run to continue."),
            checkpoint: Optional[str] = _checkpoint_option(),
-           budget: Optional[str] = typer.Option(None, "--budget", help="A new time budget from now (e.g. 90m, 8h); default: what the run had left when it stopped (the time it was down is not counted).")) -> None:
+           budget: Optional[str] = typer.Option(None, "--budget", help="A new time budget from now (e.g. 90m, 8h); default: what the run had left when it stopped (the time it was down is not counted)."),
+           json_out: Optional[Path] = json_option("run's record when the command returns (as `run --json` writes it)"),
+           verbose: bool = _verbose_option(),
+           quiet: bool = _quiet_option()) -> None:
     """Continue a run that was stopped or killed, from its last checkpoint (here or, with --checkpoint, in Postgres)."""
     from trainbridge.graph.runs import RunError, resume_run
 
+    level = verbosity(verbose, quiet)
     budget_s = parse_duration(budget, "--budget") if budget is not None else None
     try:
-        outcome = resume_run(run_id, say=_say, checkpoint=_checkpoint_url(checkpoint), budget_s=budget_s)
+        outcome = resume_run(run_id, say=say_at(level), checkpoint=_checkpoint_url(checkpoint), budget_s=budget_s)
     except RunError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
     except _stopping_errors() as exc:
         _error(f"run {run_id} stopped: {exc}")
+        write_json(json_out, run_record(run_id, {}, condition="failed", error=str(exc)))
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         _error(f"run {run_id} interrupted; its last checkpoint is kept: continue it with `trainbridge resume {run_id}`")
         raise
-    _report_outcome(outcome)
+    _report_outcome(outcome, json_out, level)
 
 
 def remove(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run to remove."),
@@ -208,7 +232,7 @@ def remove(run_id: str = typer.Argument(..., callback=valid_run_id, help="The ru
 
 def status(run_id: Optional[str] = typer.Argument(None, callback=valid_run_id, help="A run (default: list all runs)."),
            checkpoint: Optional[str] = _checkpoint_option(),
-           json_out: bool = typer.Option(False, "--json", help="Print the status as JSON on stdout (a list of them without a run id), and nothing else.")) -> None:
+           json_out: Optional[Path] = json_option("status (a list of them without a run id)")) -> None:
     """Where a run stands: current node, intents done/left, candidates, accepted speedup so far (a served run: asked of its server)."""
     from trainbridge.graph.runs import run_status, summary_line
     from trainbridge.graph.state import runs_root
@@ -229,21 +253,20 @@ def status(run_id: Optional[str] = typer.Argument(None, callback=valid_run_id, h
             try:
                 info = served_run_status(name, url) or run_status(name, checkpoint=url)
                 listed.append(status_record(info, name))
-                if not json_out:
+                if not to_stdout(json_out):
                     print(f"{name}: {run_condition(info, name)}; {summary_line(info['state'])}")
             except Exception as exc:  # one broken run must not hide the others
                 listed.append({"run_id": name, "condition": f"unreadable ({exc})"})
-                if not json_out:
+                if not to_stdout(json_out):
                     print(f"{name}: unreadable ({exc})")
-        if json_out:
-            print(json.dumps(listed, indent=2, default=str))
-        elif not runs:
+        if not runs and not to_stdout(json_out):
             print(f"no runs under {runs_root()}")
+        write_json(json_out, listed)
         return
     info = _status_of(run_id, url)
     record = status_record(info, run_id)
-    if json_out:
-        print(json.dumps(record, indent=2, default=str))
+    write_json(json_out, record)
+    if to_stdout(json_out):
         return
     print(f"run {run_id}: {record['condition']}")
     if info.get("server"):
@@ -322,13 +345,17 @@ def review_cmd(
 
 
 def report_cmd(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run."),
-               checkpoint: Optional[str] = _checkpoint_option()) -> None:
+               checkpoint: Optional[str] = _checkpoint_option(),
+               json_out: Optional[Path] = json_option("run's record (its figures, accepted commits, verdicts and report paths)")) -> None:
     """Print where a finished run's report is, and its markdown."""
     info = _status_of(run_id, _checkpoint_url(checkpoint))
     paths = info["state"].get("report_paths") or []
     if not paths:
         _error(f"run {run_id} has no report yet (it is written when the run ends)")
         raise typer.Exit(1)
+    write_json(json_out, run_record(run_id, info["state"], condition=run_condition(info, run_id)))
+    if to_stdout(json_out):
+        return
     for path in paths:
         console.print(path)
     if not Path(paths[0]).is_file():
