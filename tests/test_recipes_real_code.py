@@ -133,6 +133,37 @@ def test_regional_compile_on_the_npu_decorates_a_method_with_the_fallback_checki
     assert "import torch_npu" in edit.source
 
 
+LOOP_HOLDER = _src('''
+    import torch
+
+
+    def main(model, optimizer, data):
+        for x, y in data:
+            h = x * torch.sigmoid(x)
+            loss = torch.nn.functional.mse_loss(model(h), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+    def run(trainer):
+        scale = torch.sigmoid(torch.ones(1)) * 2
+        trainer.train()
+        return scale
+''')
+
+
+@pytest.mark.parametrize("needle, words", [
+    ("h = x * torch.sigmoid(x)", r"main \(line 4\) .* holds the training loop \(loss.backward\(\)\)"),
+    ("scale = torch.sigmoid", r"holds the training loop \(trainer.train\(\)\)"),
+])
+def test_regional_compile_never_compiles_a_function_that_holds_the_loop(needle, words):
+    """Issue 26: the last rung compiled a Hugging Face user's whole `def main():`, its batches drawn from other random
+    numbers under compile, and the gate rejected it four times for numerics."""
+    with pytest.raises(CodemodRefused, match=words):
+        _apply("compile-regional", LOOP_HOLDER, needle)
+
+
 @pytest.mark.parametrize("needle, words", [
     ("self.gates = nn.Parameter", r"special method __init__"),
     ("return x * SCALE", r"already compiled \(@torch.compile\)"),

@@ -420,17 +420,44 @@ def _why_not_compiled(module: cst.Module, function: cst.FunctionDef) -> str | No
             return f"it is already compiled (@{module.code_for_node(d.decorator).strip()})"
     if function.asynchronous is not None:
         return "it is a coroutine"
-    generator = []
+    generator: list[cst.Yield] = []
+    loop_calls: list[str] = []
 
     class Visitor(cst.CSTVisitor):
         def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-            return node is function  # yields of nested functions are theirs
+            return node is function  # yields and calls of nested functions are theirs
 
         def visit_Yield(self, node: cst.Yield) -> None:
             generator.append(node)
 
+        def visit_Call(self, node: cst.Call) -> None:
+            if isinstance(node.func, cst.Attribute) and _drives_training(node.func):
+                loop_calls.append(module.code_for_node(node).strip())
+
     function.visit(Visitor())
-    return "it is a generator (yield)" if generator else None
+    if generator:
+        return "it is a generator (yield)"
+    if loop_calls:
+        # a compiled loop draws its random batches and dropout masks from other random numbers than eager's, and
+        # compiles the optimizer and the data pipeline with it: the last rung compiles a module's forward or one function
+        return (f"it holds the training loop ({loop_calls[0][:60]}): compiling it would compile the loop, its data "
+                "and its optimizer; compile the module's forward or the function the region is in")
+    return None
+
+
+_TRAINING_CALLS = ("backward", "zero_grad", "step", "fit")
+
+
+def _drives_training(func: cst.Attribute) -> bool:
+    """`loss.backward()`, `optimizer.zero_grad()`, `optimizer.step()`, `trainer.fit()`/`trainer.train()` (not
+    `super().step()` inside an optimizer's own step, not `model.train()` on a module: only a trainer object's)."""
+    name = func.attr.value
+    receiver = func.value
+    if isinstance(receiver, cst.Call) and isinstance(receiver.func, cst.Name) and receiver.func.value == "super":
+        return False
+    if name == "train":
+        return isinstance(receiver, cst.Name) and "trainer" in receiver.value.lower()
+    return name in _TRAINING_CALLS
 
 
 # --- imports ------------------------------------------------------------------------------------
