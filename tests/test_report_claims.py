@@ -150,6 +150,7 @@ def test_eager_ops_after_come_from_an_analysis_of_the_final_head_or_are_not_clai
     stale = _section(_write(tmp_path, _state(eager_ops_sha=SHA_1)), "Result")
     assert "1805 before; the final head was not re-analysed after its last commit" in stale and "after (" not in stale
     assert not (tmp_path / "eager_ops.png").exists()
+    assert (tmp_path / "step_time.png").exists()
     fresh = _section(_write(tmp_path, _state(eager_ops_now=1402, eager_ops_sha=SHA_2)), "Result")
     assert f"1805 before, 1402 after (an analysis of the final head `{SHA_2[:12]}`)" in fresh
     assert (tmp_path / "eager_ops.png").exists()
@@ -177,3 +178,10 @@ def test_a_decided_verdict_keeps_each_rounds_medians_for_the_plot():
     summary = gate_summary(verdict.model_dump(mode="json"))
     assert summary["round_medians"] == {"baseline": [0.2] * 6, "candidate": [0.18] * 6}
     assert summary["look_rounds"] == [6] and summary["min_gain"] == 0.01 and summary["busy_rounds"] == [2]
+
+
+def test_a_run_that_accepted_nothing_says_so_and_draws_no_one_bar_chart(tmp_path):
+    markdown = _write(tmp_path, _state(accepted=[], verdicts=[]))
+    assert "No rewrite was accepted" in _section(markdown, "Result") and "## Accepted commits" not in markdown
+    assert "Eager ops per step: 1805 (nothing was committed" in markdown
+    assert not (tmp_path / "step_time.png").exists() and "## Charts" not in markdown

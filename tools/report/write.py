@@ -99,7 +99,7 @@ def _charts(state, out_dir: Path, final: float | None) -> list[Path]:
     reference_label = "torch.compile of the original"
     if reference is None and state.get("reference_step_s"):
         reference, reference_label = state["reference_step_s"], "torch.compile of the original (one-shot)"
-    if baseline:
+    if baseline and state.get("accepted"):  # with nothing accepted there is one bar: no chart
         labels, values = ["original"], [baseline * 1000]
         for record in state.get("accepted") or []:
             if record.get("ratio"):
