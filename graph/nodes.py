@@ -18,7 +18,8 @@ from langgraph.types import interrupt
 from trainbridge.agents.analyst.own_rewrites import split_own_rewrites, verdict_landed
 from trainbridge.agents.coder.attempts import coder_turn
 from trainbridge.agents.coder.candidate import Candidate
-from trainbridge.agents.retrieval.choose import choose_intent, intent_coverage
+from trainbridge.agents.retrieval.choose import Choice, choose_intent, intent_coverage
+from trainbridge.agents.retrieval.sites import site_fingerprint, tried_key
 from trainbridge.graph import npu_pending
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.detached_views import detached_view, remove_view
@@ -112,7 +113,8 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         "intents": [i.model_dump(mode="json") for i in intents],
         "intent_evidence": {i.id: {"category": str(i.category), "spans": [str(s) for s in i.spans],
                                    "evidence": i.evidence.model_dump(mode="json"), "confidence": i.confidence,
-                                   "estimated_saving_us": i.estimated_saving_us} for i in found.kept},
+                                   "estimated_saving_us": i.estimated_saving_us, "site": site_fingerprint(head, i)}
+                           for i in found.kept},
         "analyses": (state.get("analyses") or 0) + 1,
         "eager_ops_now": analysis.eager_ops_per_step,
         "eager_ops_sha": pending or workspace.head_sha,  # which head `eager_ops_now` counts (the report's "after")
@@ -154,19 +156,34 @@ def _server_starter(ctx: RunContext, head: Path):
 def retrieval(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     """The retrieval agent picks the best remaining intent and the recipes to try for it, best first."""
     ctx = runtime.context
-    choice = choose_intent(state.get("intents", []), done=set(state.get("done_intents", [])), kb=ctx.kb,
-                           target=ctx.config.target, allowed=ctx.config.recipe_ids)
+    done, tried = set(state.get("done_intents", [])), set(state.get("tried_sites") or [])
+    sites = {key: (evidence or {}).get("site") for key, evidence in (state.get("intent_evidence") or {}).items()}
+    tried_before: list[str] = []  # intents found again after a re-analysis, every recipe already tried on their code
+    while True:
+        choice = choose_intent(state.get("intents", []), done=done | set(tried_before), kb=ctx.kb,
+                               target=ctx.config.target, allowed=ctx.config.recipe_ids)
+        site = sites.get(choice.data.get("id")) if choice is not None else None
+        fresh = [r for r in choice.queue if site is None or tried_key(r, site) not in tried] if choice is not None else []
+        if choice is None or fresh:
+            break
+        ctx.say(f"intent {choice.intent.category} at {', '.join(str(s) for s in choice.intent.spans)}: its recipes were "
+                "all tried on this code before (its lines moved since); not again")
+        tried_before.append(choice.data["id"])
+    seen = {"done_intents": tried_before} if tried_before else {}
     if choice is None:
         return {"node": "retrieval", "current_intent": None, "recipe_queue": [],
-                "stop_reason": state.get("stop_reason") or NO_INTENTS.message}
+                "stop_reason": state.get("stop_reason") or NO_INTENTS.message, **seen}
+    if len(fresh) < len(choice.queue):
+        ctx.say(f"  {len(choice.queue) - len(fresh)} recipe(s) were tried on this code before; not again")
+        choice = Choice(choice.data, choice.intent, fresh, choice.last_resort)
     stop = limit_reached(state, ctx.config)  # the budget holds from the first candidate on, not only after a verdict
     if stop is not None:
         ctx.say(f"not starting a candidate for intent {choice.intent.category}: {stop.message}")
-        return {"node": "retrieval", "current_intent": None, "recipe_queue": [], "stop_reason": stop.message}
+        return {"node": "retrieval", "current_intent": None, "recipe_queue": [], "stop_reason": stop.message, **seen}
     ctx.say(f"intent {choice.intent.category} at {', '.join(str(s) for s in choice.intent.spans)}: {len(choice.queue)} "
             f"{'last-resort ' if choice.last_resort else ''}recipe(s)")
     return {"node": "retrieval", "current_intent": choice.data, "recipe_queue": choice.queue, "candidate": None,
-            "review_feedback": None, "verdict": None}
+            "review_feedback": None, "verdict": None, **seen}
 
 
 def route_after_retrieval(state: RunState) -> Literal["coder", "decide", "report"]:
@@ -186,7 +203,19 @@ def coder(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
                       llm=ctx.llm, verdicts=state.get("verdicts", []), feedback=state.get("review_feedback"),
                       target=ctx.config.target, overlay=npu_pending.pending_head(ctx, workspace), say=ctx.say)
     candidate = turn.candidate.model_dump(mode="json") if turn.candidate is not None else None
-    return {"node": "coder", "candidate": candidate, "recipe_queue": turn.queue, "verdicts": turn.refusals}
+    return {"node": "coder", "candidate": candidate, "recipe_queue": turn.queue, "verdicts": turn.refusals,
+            "tried_sites": tried_sites(state, turn.refusals)}
+
+
+def tried_sites(state: RunState, records: list[dict[str, Any]]) -> list[str]:
+    """recipe@site of each verdict record (agents/retrieval/sites.py): what a later analysis must not try again."""
+    evidence = state.get("intent_evidence") or {}
+    keys = []
+    for record in records:
+        site = (evidence.get(record.get("intent_id") or "") or {}).get("site")
+        if site and record.get("recipe_id"):
+            keys.append(tried_key(record["recipe_id"], site))
+    return keys
 
 
 def route_after_coder(state: RunState, runtime: Runtime[RunContext]) -> Literal["review", "profiler", "decide"]:
@@ -320,6 +349,7 @@ def decide(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             workspace.reject_candidate(candidate.name)
         record_outcome(ctx, state, candidate, record)
         update["verdicts"] = [record]
+        update["tried_sites"] = tried_sites(state, [record])
         update["candidate"] = None
         ctx.say(verdict_line(candidate.name, record["reason"], record["message"]))
         tail = failure_tail(verdict)

@@ -128,6 +128,7 @@ class RunState(TypedDict, total=False):
     eager_ops_sha: str | None  # the head the last analysis counted `eager_ops_now` on (the report says "after" only for the final head)
     intents: list[dict[str, Any]]  # ranked Intent dumps from the latest analysis
     intent_evidence: Annotated[dict[str, dict[str, Any]], merged]  # every intent any analysis found: its evidence, by id
+    tried_sites: Annotated[list[str], operator.add]  # recipe@site of every verdict (agents/retrieval/sites.py): not tried again
     done_intents: Annotated[list[str], operator.add]
     current_intent: dict[str, Any] | None
     recipe_queue: list[str]  # ranked recipe ids left to try for the current intent
