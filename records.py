@@ -36,6 +36,43 @@ class SourceSpan(Record):
         return self.file == other.file and self.line_start <= other.line_end and other.line_start <= self.line_end
 
 
+class LibrarySpan(Record):
+    """A region of code installed outside the user's repository (transformers, timm, ...): a rewrite never edits
+    it in place; it is patched from the user's repository (a patch module imported at the entry point)."""
+
+    file: str = Field(description="path under its import root (site-packages), '/' separators, e.g. "
+                                  "transformers/models/llama/modeling_llama.py; absolute when under none")
+    line_start: int = Field(ge=1)
+    line_end: int = Field(ge=1)
+    module: str | None = Field(default=None, description="dotted module, e.g. transformers.models.llama.modeling_llama")
+    function: str | None = Field(default=None, description="qualified name, e.g. LlamaRMSNorm.forward or apply_rotary_pos_emb")
+    distribution: str | None = Field(default=None, description="the installed distribution providing it (importlib.metadata)")
+    version: str | None = Field(default=None, description="that distribution's version")
+
+    @property
+    def class_name(self) -> str | None:
+        """The class of a method (`LlamaRMSNorm` of `LlamaRMSNorm.forward`), None for a module-level function."""
+        if not self.function or "." not in self.function:
+            return None
+        owner = self.function.rsplit(".", 1)[0]
+        return None if owner.endswith("<locals>") else owner.rsplit(".", 1)[-1]
+
+    @property
+    def function_name(self) -> str | None:
+        return self.function.rsplit(".", 1)[-1] if self.function else None
+
+    def lines(self) -> str:
+        return f"{self.line_start}" if self.line_start == self.line_end else f"{self.line_start}-{self.line_end}"
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.function}:{self.lines()}" if self.function else f"{self.file}:{self.lines()}"
+        owner = " ".join(x for x in (self.distribution, self.version) if x)
+        return f"{where} ({owner})" if owner else where
+
+    def contains(self, file: str, line: int) -> bool:
+        return self.file == file and self.line_start <= line <= self.line_end
+
+
 class Phase(StrEnum):
     forward = "forward"
     backward = "backward"
@@ -54,6 +91,9 @@ class FusionGroup(Record):
     kernel: str = Field(description="kernel name, e.g. cpp_fused_add_mean_mul_pow_rsqrt_0 or extern_kernels.mm")
     aten_ops: list[str] = Field(default_factory=list, description="ATen ops the kernel covers")
     spans: list[SourceSpan] = Field(default_factory=list, description="user source lines the ops come from")
+    library_lines: list[LibrarySpan] = Field(default_factory=list, description="library lines (one line each) on the "
+                                             "ops' stacks, innermost first: every library frame, so that a region "
+                                             "covering a caller (apply_rotary_pos_emb) finds kernels of its callees")
     phase: Phase
     kind: KernelKind
     graph: str | None = Field(default=None, description="which compiled graph (e.g. 'forward_0')")
@@ -128,15 +168,32 @@ class Intent(Record):
 
     id: str
     category: IntentCategory
-    spans: list[SourceSpan]
+    spans: list[SourceSpan] = Field(description="in the user's repository: the region itself or, when `library` is "
+                                    "set, the user's call sites that reach the library region")
+    library: LibrarySpan | None = Field(default=None, description="set when the region lives in a library: its file, "
+                                        "module, class and function, lines, distribution and version. Recipes that "
+                                        "edit the user's files do not apply; the rewrite is a patch module in the "
+                                        "user's repository")
     evidence: Evidence = Field(default_factory=Evidence)
     estimated_saving_us: float | None = Field(default=None, ge=0, description="an estimate, never a measurement")
     estimate_basis: str | None = None
     confidence: float = Field(ge=0, le=1)
     source: IntentSource
 
+    @property
+    def in_library(self) -> bool:
+        return self.library is not None
+
+    def where(self) -> str:
+        """`file:lines` of the spans, or `library location via user call sites` for a library region."""
+        spans = ", ".join(str(s) for s in self.spans)
+        return f"{self.library} via {spans or '?'}" if self.library is not None else spans
+
     @staticmethod
-    def make_id(category: IntentCategory | str, spans: list[SourceSpan]) -> str:
-        """Stable id: the same gap at the same place gets the same id across runs and resumes."""
+    def make_id(category: IntentCategory | str, spans: list[SourceSpan], library: LibrarySpan | None = None) -> str:
+        """Stable id: the same gap at the same place gets the same id across runs and resumes (a library region's
+        place includes its library location, not its version)."""
         key = str(category) + "|" + "|".join(sorted(str(s) for s in spans))
+        if library is not None:
+            key += f"|lib:{library.file}:{library.function}:{library.lines()}"
         return f"{category}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"

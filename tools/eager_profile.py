@@ -8,12 +8,21 @@ How an op gets its source line and phase:
   such as `linear` arrive already decomposed into `t` + `addmm`). At each op it walks the Python
   frames to the innermost one inside the repository: that gives the exact line, which
   torch.profiler's function-level frames cannot.
+- Library code (tools/library_code.py: transformers, timm, ... under site-packages; PyTorch's own
+  files stay transparent) met on the way is kept too: every library frame between the op and its
+  repository frame, innermost first (`EagerOp.library_stack`, indexes into the table's
+  `library_frames`, each the line and its whole function). So a model built from a library is
+  located where its regions are (`LlamaRMSNorm.forward`), beside the user's call site (`model(x)`).
 - Forward op -> autograd node: the autograd kernel creates an op's node (and bumps the thread's
   sequence counter) before it redispatches to the mode, so the counter value seen by the mode
   rises exactly at the ops that created nodes: nodes numbered [previous value, current value)
   belong to the current op.
 - Backward op -> forward line: during backward `torch._C._current_autograd_node()` is the node
   being evaluated; its `_sequence_nr()` finds the forward op that created it, hence its line.
+  Script mode records from one `backward()` to the next (sandbox/script/hooks.py), so a window's
+  backward ran nodes of a forward before it: a static program creates the same nodes every step, so
+  they are linked to the recorded forward's nodes one step later (`_window_shift`, checked; else
+  they stay unlinked).
   AccumulateGrad nodes (and nodes created before profiling) have no forward op: those ops keep the
   line the frame walk gives (the `loss.backward()` call; on a device's autograd thread, the line
   where the main thread waits in backward).
@@ -61,7 +70,8 @@ from torch._C._profiler import _RecordFunctionFast
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainbridge.records import Phase, Record, SourceSpan, TargetProfile, TargetSpanStats
+from trainbridge.records import LibrarySpan, Phase, Record, SourceSpan, TargetProfile, TargetSpanStats
+from trainbridge.tools.library_code import library_path, library_span
 
 MARKER_PREFIX = "trainbridge::op#"
 UNATTRIBUTED_FILE = "<unattributed>"  # an op with no frame inside the repository
@@ -69,6 +79,13 @@ REQUIRED_PARTS = ("model", "optimizer", "batch", "train_step")
 _SKIPPED_NAMESPACES = ("profiler::",)  # record_function bookkeeping ops (optimizers emit them)
 _NO_NODE = 2**64 - 1  # sequence number of nodes without a forward op (AccumulateGrad)
 CpuTimer = Literal["clock", "profiler"]
+
+
+class LibraryFrame(Record):
+    """One library frame an op ran under: its whole function (`function`, def line to last line) and the line."""
+
+    function: LibrarySpan
+    line: int = Field(ge=1)
 
 
 class EagerOp(Record):
@@ -83,6 +100,9 @@ class EagerOp(Record):
     host_time_us: float = Field(ge=0, description="host wall time of the op call, always measured")
     shapes: str = Field(description="input shapes, profiler style: [[8, 64], [64], []]")
     node: str | None = Field(default=None, description="autograd node evaluated (backward ops)")
+    library_stack: list[int] = Field(default_factory=list, description="library frames between the op and `span` "
+                                     "(its repository frame), innermost first: indexes into EagerOpTable.library_frames; "
+                                     "a backward op has its forward op's")
 
 
 class EagerOpTable(Record):
@@ -96,6 +116,11 @@ class EagerOpTable(Record):
     profiled_step_times_us: list[float] = Field(description="wall time of the recorded steps, recording overhead included")
     profile_wall_s: float = Field(ge=0, description="wall time of the recording, profiler teardown included")
     unlinked_backward_ops: int = Field(ge=0, description="backward ops with no forward op (AccumulateGrad, ...)")
+    library_frames: list[LibraryFrame] = Field(default_factory=list, description="the library frames ops ran under")
+
+    def library_of(self, op: EagerOp) -> list[LibraryFrame]:
+        """The op's library frames, innermost first (empty for an op of user code only)."""
+        return [self.library_frames[i] for i in op.library_stack]
 
 
 def profile_eager_step(
@@ -175,7 +200,7 @@ def record_eager_ops(
     return EagerOpTable(
         backend=backend or device.type, device=str(device), steps=steps, ops=ops,
         step_times_us=step_times, profiled_step_times_us=profiled_times, profile_wall_s=wall,
-        unlinked_backward_ops=recorder.unlinked_backward,
+        unlinked_backward_ops=recorder.unlinked_backward, library_frames=recorder.locator.library_frames,
     )
 
 
@@ -227,7 +252,8 @@ class BoundaryRecorder:
         ops = self._recorder.finish(None)
         return EagerOpTable(backend=backend, device=device, steps=max(self.steps, 1), ops=ops, step_times_us=step_times_us,
                             profiled_step_times_us=self.profiled_step_times_us, profile_wall_s=wall,
-                            unlinked_backward_ops=self._recorder.unlinked_backward)
+                            unlinked_backward_ops=self._recorder.unlinked_backward,
+                            library_frames=self._recorder.locator.library_frames)
 
 
 def to_target_profile(table: EagerOpTable) -> TargetProfile:
@@ -273,61 +299,82 @@ def _device_of(model: Any) -> torch.device:
 
 
 class _Locator:
-    """Finds the innermost Python frame inside the repository (cached per code object)."""
+    """Finds the innermost Python frame inside the repository, and the library frames on the way (both cached per
+    code object and line)."""
 
     def __init__(self, root: Path):
         self.root = root
         self._prefix = str(root) + os.sep
         excluded = {Path(torch.__file__).resolve().parent, Path(__file__).resolve()}
         self._excluded = tuple(str(path) for path in excluded)
-        self._cache: dict[Any, tuple[str, str] | None] = {}
+        self._cache: dict[Any, tuple[str, str] | LibrarySpan | None] = {}
         self._spans: dict[tuple[Any, int], SourceSpan] = {}  # one shared span per (code, line)
+        self._frames: dict[tuple[Any, int], int] = {}  # (code, line) -> index into library_frames
+        self.library_frames: list[LibraryFrame] = []
         self._backward_entries = {torch.autograd.backward.__code__, torch.autograd.grad.__code__}
 
-    def _relative(self, code: Any) -> tuple[str, str] | None:
+    def _classify(self, code: Any) -> tuple[str, str] | LibrarySpan | None:
+        """(repo-relative path, qualname) for repository code, the function's LibrarySpan for library code, None
+        for code ops pass through (PyTorch, TrainBridge, the standard library)."""
         filename = code.co_filename
         if filename.startswith("<"):
             return None
         path = os.path.realpath(filename)
-        if not path.startswith(self._prefix) or path.startswith(self._excluded):
+        if path.startswith(self._excluded):
             return None
-        rel = Path(path).relative_to(self.root)
-        if {"site-packages", "dist-packages"} & set(rel.parts):
-            return None  # a virtualenv inside the repository is not user code
-        return rel.as_posix(), getattr(code, "co_qualname", code.co_name)
+        qualname = getattr(code, "co_qualname", code.co_name)
+        rel = library_path(path)
+        if rel is not None:  # a library, also when installed in a virtualenv inside the repository
+            last = max((line for _, _, line in code.co_lines() if line is not None), default=code.co_firstlineno)
+            return library_span(rel, code.co_firstlineno, last, qualname)
+        if not path.startswith(self._prefix):
+            return None
+        rel_path = Path(path).relative_to(self.root)
+        if {"site-packages", "dist-packages"} & set(rel_path.parts):
+            return None  # a transparent package (torch) in a virtualenv inside the repository
+        return rel_path.as_posix(), qualname
 
     def locate(self, frame: Any) -> SourceSpan | None:
         return self.locate_with_entry(frame)[0]
 
-    def locate_with_entry(self, frame: Any) -> tuple[SourceSpan | None, bool]:
-        """The innermost repo span, and whether the walk crossed `torch.autograd.backward`/`grad`
-        (the gradient seed is made there, before the engine runs any node)."""
+    def locate_with_entry(self, frame: Any) -> tuple[SourceSpan | None, bool, tuple[int, ...]]:
+        """The innermost repo span, whether the walk crossed `torch.autograd.backward`/`grad` (the gradient
+        seed is made there, before the engine runs any node), and the library frames met before the repo frame
+        (indexes into `library_frames`, innermost first)."""
         cache, entries, in_backward_call = self._cache, self._backward_entries, False
+        library: list[int] = []
         while frame is not None:
             code = frame.f_code
             in_backward_call = in_backward_call or code in entries
             if code in cache:
                 found = cache[code]
             else:
-                found = cache[code] = self._relative(code)
+                found = cache[code] = self._classify(code)
             if found is not None:
                 key = (code, frame.f_lineno)
-                span = self._spans.get(key)
-                if span is None:
-                    line = frame.f_lineno
-                    span = self._spans[key] = SourceSpan(file=found[0], line_start=line, line_end=line, function=found[1])
-                return span, in_backward_call
+                if isinstance(found, LibrarySpan):
+                    index = self._frames.get(key)
+                    if index is None:
+                        index = self._frames[key] = len(self.library_frames)
+                        self.library_frames.append(LibraryFrame(function=found, line=frame.f_lineno))
+                    library.append(index)
+                else:
+                    span = self._spans.get(key)
+                    if span is None:
+                        line = frame.f_lineno
+                        span = self._spans[key] = SourceSpan(file=found[0], line_start=line, line_end=line, function=found[1])
+                    return span, in_backward_call, tuple(library)
             frame = frame.f_back
-        return None, in_backward_call
+        return None, in_backward_call, tuple(library)
 
 
 class _PendingOp:
-    __slots__ = ("step", "index", "name", "phase", "span", "shapes", "node", "node_seq", "host_ns")
+    __slots__ = ("step", "index", "name", "phase", "span", "shapes", "node", "node_seq", "host_ns", "library")
 
-    def __init__(self, step, index, name, phase, span, shapes, node, node_seq):
+    def __init__(self, step, index, name, phase, span, shapes, node, node_seq, library):
         self.step, self.index, self.name, self.phase = step, index, name, phase
         self.span, self.shapes, self.node, self.node_seq = span, shapes, node, node_seq
-        self.host_ns = 0
+        self.host_ns, self.library = 0, library
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -387,7 +434,7 @@ class _OpRecorder(TorchDispatchMode):
             return func(*args, **kwargs)
         index = next(self._counter)
         node = torch._C._current_autograd_node()
-        span, in_backward_call = self.locator.locate_with_entry(sys._getframe(1))
+        span, in_backward_call, library = self.locator.locate_with_entry(sys._getframe(1))
         node_name = node_seq = None
         if node is not None:
             phase = Phase.backward
@@ -407,7 +454,7 @@ class _OpRecorder(TorchDispatchMode):
                 phase = Phase.optimizer
             else:
                 phase = Phase.forward
-        pending = _PendingOp(self._step, index, name, phase, span, _shapes(args), node_name, node_seq)
+        pending = _PendingOp(self._step, index, name, phase, span, _shapes(args), node_name, node_seq, library)
         self.pending.append(pending)
         if self.markers:
             with _RecordFunctionFast(MARKER_PREFIX + str(index)):
@@ -428,13 +475,16 @@ class _OpRecorder(TorchDispatchMode):
     def finish(self, times: dict[int, float] | None) -> list[EagerOp]:
         """Resolve backward links; `times` (marker index -> us) replaces the clock when given."""
         by_index = {op.index: op for op in self.pending}
+        shift = self._window_shift(by_index)
         ops = []
         for op in sorted(self.pending, key=lambda o: o.index):
-            span = op.span
+            span, library = op.span, op.library
             if op.phase is Phase.backward:
                 owner = self.node_owner.get(op.node_seq) if op.node_seq not in (None, _NO_NODE) else None
-                if owner is not None and by_index[owner].span is not None:
-                    span = by_index[owner].span
+                if owner is None and shift and op.node_seq not in (None, _NO_NODE):
+                    owner = self.node_owner.get(op.node_seq + shift[1]) if op.step == shift[0] else None
+                if owner is not None and (by_index[owner].span is not None or by_index[owner].library):
+                    span, library = by_index[owner].span or span, by_index[owner].library
                 elif op.node is not None:
                     self.unlinked_backward += 1
             ops.append(EagerOp(
@@ -442,8 +492,34 @@ class _OpRecorder(TorchDispatchMode):
                 span=span or self._unattributed,
                 time_us=op.host_ns / 1e3 if times is None else times.get(op.index, 0.0),
                 host_time_us=op.host_ns / 1e3, shapes=_format_shapes(op.shapes), node=op.node,
+                library_stack=list(library),
             ))
         return ops
+
+
+    def _window_shift(self, by_index: dict[int, _PendingOp]) -> tuple[int, int] | None:
+        """(step, D) when a step's backward ran nodes whose forward was not recorded and the same step's recorded
+        forward repeats them D sequence numbers later, else None.
+
+        Script mode records from one `backward()` to the next: the window holds backward(k), the optimizer step
+        and forward(k+1). A static program creates the same nodes in the same order every step, so node i of
+        forward(k+1) is node i of forward(k) plus D. D is accepted only when the first and the last node agree on
+        it and it links at least 90% of those backward ops: the ops then get the lines (and library frames) of
+        the same code one step later."""
+        unlinked = [op for op in self.pending if op.phase is Phase.backward and op.node_seq not in (None, _NO_NODE)
+                    and op.node_seq not in self.node_owner]
+        if not unlinked:
+            return None
+        step = unlinked[0].step
+        seqs = {op.node_seq for op in unlinked if op.step == step}
+        created = [seq for seq, owner in self.node_owner.items() if by_index[owner].step == step and seq > max(seqs)]
+        if not created:
+            return None
+        shift = max(created) - max(seqs)
+        if min(created) - min(seqs) != shift:
+            return None
+        linked = sum(1 for seq in seqs if seq + shift in self.node_owner)
+        return (step, shift) if linked >= 0.9 * len(seqs) else None
 
 
 def _shapes(args: Sequence[Any]) -> tuple:

@@ -6,7 +6,7 @@ from typing import Any
 
 from rich.table import Table
 
-from trainbridge.records import Intent
+from trainbridge.records import Intent, LibrarySpan
 
 INTENT_COLUMNS = (("#", "right"), ("category", "left"), ("where", "left"), ("K vs N", "right"), ("time share", "right"),
                   ("est. saving", "right"), ("confidence", "right"), ("found by", "left"))
@@ -21,8 +21,11 @@ def intent_cells(rank: int, intent: dict[str, Any]) -> list[str]:
     share = "-" if evidence.get("target_time_share") is None else f"{evidence['target_time_share']:.1%}"
     saving = "-" if intent.get("estimated_saving_us") is None else f"~{intent['estimated_saving_us'] / 1000:.1f} ms"
     confidence = "-" if intent.get("confidence") is None else f"{intent['confidence']:.2f}"
-    spans = [s if isinstance(s, str) else _span(s) for s in intent.get("spans") or []]
-    return [str(rank), str(intent.get("category")), ", ".join(spans), f"{k} vs {n}", share, saving, confidence,
+    spans = ", ".join(s if isinstance(s, str) else _span(s) for s in intent.get("spans") or [])
+    library = intent.get("library")
+    if library:  # a region in a library: where it is, then the user's call sites that reach it
+        spans = f"{library if isinstance(library, str) else LibrarySpan.model_validate(library)} via {spans or '?'}"
+    return [str(rank), str(intent.get("category")), spans, f"{k} vs {n}", share, saving, confidence,
             ", ".join(evidence.get("detectors") or [])]
 
 

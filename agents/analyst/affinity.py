@@ -8,6 +8,11 @@ what the advisor cannot: the exact source lines of the matched ops.
 The advisor reads top-level ATen ops from the NPU timeline (``matmul``, ``softmax``); our op
 table holds dispatched ops (``bmm``, ``_softmax``), so names are normalised first and pure view
 bookkeeping is dropped.
+
+Ops of a model that lives in a library (transformers' LlamaForCausalLM) all come from the user's one
+`model(x)` line; the library frames each op ran under tell the regions apart: a match is located at the
+innermost library function all its ops ran under (`LlamaRMSNorm.forward`; `apply_rotary_pos_emb` for a
+rotary match whose ops are partly in the `rotate_half` it calls), with the user's lines as its call sites.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from trainbridge.records import Evidence, Intent, IntentCategory, IntentSource, Phase, SourceSpan
+from trainbridge.records import Evidence, Intent, IntentCategory, IntentSource, LibrarySpan, Phase, SourceSpan
 from trainbridge.tools.eager_profile import UNATTRIBUTED_FILE, EagerOp, EagerOpTable
 
 RULES_FILE = Path(__file__).parent / "data" / "msprof_affinity_rules.yaml"
@@ -139,7 +144,28 @@ _SAME_LINE_ONLY = {IntentCategory.permute_reshape}  # a reshape and a transpose 
 
 
 def _same_line(a: EagerOp, b: EagerOp) -> bool:
-    return a.span.file == b.span.file and a.span.line_start == b.span.line_start
+    """Same user line and, for library code, the same library line (frames are interned per code and line)."""
+    return a.span.file == b.span.file and a.span.line_start == b.span.line_start and a.library_stack[:1] == b.library_stack[:1]
+
+
+def library_region(table: EagerOpTable, ops: list[EagerOp]) -> LibrarySpan | None:
+    """The innermost library function every op of `ops` ran under, narrowed to the lines of it they ran on
+    (`LlamaRMSNorm.forward` lines 64-67); None when one of them ran in user code only (or they share no library
+    function)."""
+    stacks = [table.library_of(op) for op in ops]
+    if not stacks or not all(stacks):
+        return None
+    shared = [{_function_key(f) for f in stack} for stack in stacks[1:]]
+    for frame in stacks[0]:
+        key = _function_key(frame)
+        if all(key in keys for keys in shared):
+            lines = [f.line for stack in stacks for f in stack if _function_key(f) == key]
+            return frame.function.model_copy(update={"line_start": min(lines), "line_end": max(lines)})
+    return None
+
+
+def _function_key(frame) -> tuple[str, str | None, int]:
+    return frame.function.file, frame.function.function, frame.function.line_start
 
 
 def detect(table: EagerOpTable, optimizer_class: str | None = None, rules: tuple[AffinityRule, ...] | None = None) -> list[Intent]:
@@ -148,7 +174,7 @@ def detect(table: EagerOpTable, optimizer_class: str | None = None, rules: tuple
     sequence = forward_sequence(table)
     joined, starts = _join(name for name, _ in sequence)
     joined += "-"
-    found: dict[tuple[IntentCategory, tuple[str, ...]], tuple[AffinityRule, list[list[EagerOp]]]] = {}
+    found: dict[tuple[IntentCategory, tuple[str, ...], str], tuple[AffinityRule, list[list[EagerOp]], LibrarySpan | None]] = {}
     for rule in rules if rules is not None else load_rules():
         if rule.category is None:
             continue
@@ -156,25 +182,27 @@ def detect(table: EagerOpTable, optimizer_class: str | None = None, rules: tuple
             if optimizer_class is not None and rule.pattern == f"{optimizer_class}.step":
                 ops = [op for op in table.ops if op.step == 0 and op.phase == Phase.optimizer]
                 if _spans(ops):
-                    found.setdefault((rule.category, tuple(str(s) for s in _spans(ops))), (rule, []))[1].append(ops)
+                    found.setdefault((rule.category, tuple(str(s) for s in _spans(ops)), ""), (rule, [], None))[1].append(ops)
             continue
         for hit in rule.regex.finditer(joined):
             first, last = _op_range(starts, hit.start(1), hit.end(1))
             ops = [op for _, op in sequence[first : last + 1]]
             spans = _spans(ops)
-            if not spans or (rule.category in _SAME_LINE_ONLY and len(spans) > 1):
+            if not spans or (rule.category in _SAME_LINE_ONLY and (len(spans) > 1 or len({tuple(op.library_stack[:1]) for op in ops}) > 1)):
                 continue
-            key = (rule.category, tuple(str(s) for s in spans))
-            found.setdefault(key, (rule, []))[1].append(ops)
+            library = library_region(table, ops)
+            key = (rule.category, tuple(str(s) for s in spans), str(library) if library else "")
+            found.setdefault(key, (rule, [], library))[1].append(ops)
     intents = []
-    for (category, _), (rule, occurrences) in found.items():
+    for (category, _, _), (rule, occurrences, library) in found.items():
         spans = _spans(occurrences[0])
         names = [normalise(op.name) for op in occurrences[0]]
         intents.append(
             Intent(
-                id=Intent.make_id(category, spans),
+                id=Intent.make_id(category, spans, library),
                 category=category,
                 spans=spans,
+                library=library,
                 evidence=Evidence(
                     target_ops=len(occurrences[0]),
                     target_op_names=names,

@@ -10,6 +10,11 @@ The join key is the source line. For each region an intent covers, N = eager ops
 step (forward and backward), K = reference kernels whose source lines fall in the region. The saving
 is an *estimate* — target time in the region x (1 - K/N), the share of launches fusion removed — and
 says so in `estimate_basis`; only the profiler gate measures.
+
+An intent located in a library (`Intent.library`: the region is `LlamaRMSNorm.forward` in
+transformers, reached from the user's `model(x)` line) counts only the ops that ran under that
+library region from its call sites, and the reference kernels whose stacks pass through it: regions
+of one library called from one user line keep their own N and K.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from trainbridge.records import FusionGroup, Intent, IntentCategory, IntentSource, Phase, SourceSpan
+from trainbridge.records import FusionGroup, Intent, IntentCategory, IntentSource, LibrarySpan, Phase, SourceSpan
 from trainbridge.tools.eager_profile import UNATTRIBUTED_FILE, EagerOp, EagerOpTable
 
 STATIC_ONLY_BASIS = "no runtime evidence: not estimated"
@@ -52,7 +57,18 @@ def align(
     step_time = sum(op.time_us for op in ops) or None
     by_line = _ops_by_line(ops)
     kernels_by_line = _kernels_by_line(reference or [])
-    return rank([_with_runtime(intent, by_line, kernels_by_line, step_time, ops, reference is not None) for intent in merged])
+    regions = _Regions(table, by_line, kernels_by_line, reference or [])
+    return rank([_with_runtime(intent, regions, step_time, ops, reference is not None) for intent in merged])
+
+
+@dataclass
+class _Regions:
+    """What a region's ops and kernels are looked up in: the op table (for library frames), ops and kernels by line."""
+
+    table: EagerOpTable
+    by_line: dict[tuple[str, int], list[EagerOp]]
+    kernels_by_line: dict[tuple[str, int], list[FusionGroup]]
+    kernels: list[FusionGroup]
 
 
 def merge(intents: list[Intent]) -> list[Intent]:
@@ -60,11 +76,14 @@ def merge(intents: list[Intent]) -> list[Intent]:
     ordered = sorted(intents, key=lambda i: (i.source != IntentSource.static, -i.confidence))
     kept: list[Intent] = []
     for intent in ordered:
-        twin = next((k for k in kept if k.category == intent.category
+        twin = next((k for k in kept if k.category == intent.category and _same_library(k.library, intent.library)
                      and (_overlap(k.spans, intent.spans) or (intent.category in _PROGRAM_LEVEL and not both_static(k, intent)))),
                     None)
         if twin is None:
             kept.append(intent.model_copy(deep=True))
+            continue
+        if twin.library is not None and intent.library is not None and twin.source == intent.source:
+            _widen(twin, intent)  # one library function, matched on several of its lines (rope on q's and k's)
             continue
         twin.evidence.detectors = sorted(set(twin.evidence.detectors) | set(intent.evidence.detectors))
         twin.evidence.notes = twin.evidence.notes + [n for n in intent.evidence.notes if n not in twin.evidence.notes]
@@ -72,6 +91,27 @@ def merge(intents: list[Intent]) -> list[Intent]:
             twin.evidence.target_op_names = intent.evidence.target_op_names
         twin.confidence = min(1.0, max(twin.confidence, intent.confidence) + 0.1)
     return kept
+
+
+def _same_library(a: LibrarySpan | None, b: LibrarySpan | None) -> bool:
+    """Both in the user's code, or in the same library function: regions of one user line in different library
+    functions stay apart; findings in one function are one region (a patch replaces the function)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return a.file == b.file and a.function == b.function
+
+
+def _widen(twin: Intent, other: Intent) -> None:
+    """`twin`'s library region grows over `other`'s lines and call sites (same detector, same function)."""
+    library = twin.library
+    if library is None or other.library is None:
+        return
+    twin.library = library.model_copy(update={"line_start": min(library.line_start, other.library.line_start),
+                                              "line_end": max(library.line_end, other.library.line_end)})
+    twin.spans = twin.spans + [s for s in other.spans if not any(s.overlaps(t) for t in twin.spans)]
+    twin.evidence.notes = twin.evidence.notes + [n for n in other.evidence.notes if n not in twin.evidence.notes]
+    twin.evidence.detectors = sorted(set(twin.evidence.detectors) | set(other.evidence.detectors))
+    twin.id = Intent.make_id(twin.category, twin.spans, twin.library)
 
 
 def both_static(a: Intent, b: Intent) -> bool:
@@ -83,8 +123,8 @@ def rank(intents: list[Intent]) -> list[Intent]:
     return sorted(intents, key=lambda i: (i.estimated_saving_us is None, -(i.estimated_saving_us or 0.0), -i.confidence, i.id))
 
 
-def _with_runtime(intent: Intent, by_line, kernels_by_line, step_time, all_ops: list[EagerOp], has_reference: bool) -> Intent:
-    region = _region_ops(intent, by_line, all_ops)
+def _with_runtime(intent: Intent, regions: _Regions, step_time, all_ops: list[EagerOp], has_reference: bool) -> Intent:
+    region = _region_ops(intent, regions, all_ops)
     updated = intent.model_copy(deep=True)
     evidence = updated.evidence
     if not region:
@@ -99,9 +139,10 @@ def _with_runtime(intent: Intent, by_line, kernels_by_line, step_time, all_ops: 
     if not evidence.target_op_names:
         evidence.target_op_names = [op.name for op in region if op.phase == Phase.forward][:64]
     evidence.detectors = sorted(set(evidence.detectors) | {"eager_profile"})
-    kernels = _region_kernels(intent, kernels_by_line) if has_reference else None
+    kernels = _region_kernels(intent, regions) if has_reference else None
     if kernels == []:
-        evidence.notes.append("no compiled kernel maps to these lines: the region was outside the compiled graphs")
+        where = "this library region" if intent.library is not None else "these lines"
+        evidence.notes.append(f"no compiled kernel maps to {where}: the region was outside the compiled graphs")
         kernels = None
     if kernels is not None:
         evidence.reference_kernels = len(kernels)
@@ -119,22 +160,43 @@ def _with_runtime(intent: Intent, by_line, kernels_by_line, step_time, all_ops: 
     return updated
 
 
-def _region_ops(intent: Intent, by_line, all_ops: list[EagerOp]) -> list[EagerOp]:
+def _region_ops(intent: Intent, regions: _Regions, all_ops: list[EagerOp]) -> list[EagerOp]:
     if intent.category == IntentCategory.optimizer_step:
         return [op for op in all_ops if op.phase == Phase.optimizer]
+    by_line = regions.by_line
     ops = [op for span in intent.spans for line in range(span.line_start, span.line_end + 1) for op in by_line.get((span.file, line), [])]
+    if intent.library is not None:
+        ops = [op for op in ops if in_library_region(intent.library, regions.table, op)]
     if intent.category == IntentCategory.host_sync:
         return [op for op in ops if op.name in _HOST_SYNC_OPS] or ops
     return ops
 
 
-def _region_kernels(intent: Intent, kernels_by_line) -> list[FusionGroup]:
+def in_library_region(library: LibrarySpan, table: EagerOpTable, op: EagerOp) -> bool:
+    """Whether `op` ran under `library` (one of its library frames is on a line of that region)."""
+    return any(library.contains(frame.function.file, frame.line) for frame in table.library_of(op))
+
+
+def _region_kernels(intent: Intent, regions: _Regions) -> list[FusionGroup]:
+    if intent.library is not None:
+        return library_kernels(intent, regions.kernels)
     found: dict[int, FusionGroup] = {}
     for span in intent.spans:
         for line in range(span.line_start, span.line_end + 1):
-            for kernel in kernels_by_line.get((span.file, line), []):
+            for kernel in regions.kernels_by_line.get((span.file, line), []):
                 found[id(kernel)] = kernel
     return list(found.values())
+
+
+def library_kernels(intent: Intent, kernels: list[FusionGroup]) -> list[FusionGroup]:
+    """Reference kernels whose stacks pass through the intent's library region. A kernel that also names user lines
+    (a model of the user's own that calls the library) must come from one of the intent's call sites; one that names
+    none (a library model compiled from its own forward, as script mode does) is the region's wherever called."""
+    library = intent.library
+    if library is None:
+        return []
+    return [k for k in kernels if any(library.contains(line.file, line.line_start) for line in k.library_lines)
+            and (not k.spans or _overlap(k.spans, intent.spans))]
 
 
 def _ops_by_line(ops: list[EagerOp]) -> dict[tuple[str, int], list[EagerOp]]:

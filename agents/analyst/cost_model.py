@@ -270,6 +270,10 @@ def estimate_intent_saving(intent: Intent, table: Any, device: str | DeviceSpec,
         ops = [op for op in table.ops if op.phase == Phase.optimizer]
     else:
         ops = [op for op in table.ops if any(span.overlaps(op.span) for span in intent.spans)]
+        if intent.library is not None:  # a library region: only the ops that ran under it from those call sites
+            from trainbridge.agents.analyst.align import in_library_region
+
+            ops = [op for op in ops if in_library_region(intent.library, table, op)]
     k = intent.evidence.reference_kernels
     estimate = estimate_saving(ops, 1 if k is None else k, device, dtype=dtype, steps=table.steps)
     if k is None:

@@ -42,6 +42,8 @@ def coder_turn(workspace, intent: Intent, queue: Sequence[str], *, kb, llm, verd
             say(f"candidate {made.name}: {', '.join(made.files)}")
             return CoderTurn(made, queue, refusals)
         refusals.append(refusal_record(intent, made))
+    if intent.library is not None:  # an LLM patch is confined to the intent's spans: the call site, not the region
+        return CoderTurn(None, [], refusals)
     if llm is not None and not any(v.get("intent_id") == intent.id and v.get("recipe_id") is None for v in verdicts):
         from trainbridge.agents.coder.llm.patch import llm_candidate
 

@@ -84,12 +84,28 @@ def apply_companions(workspace, root: Path, recipe: Recipe) -> list[str]:
     return notes
 
 
+def library_refusal(intent: Intent, recipe_id: str) -> CoderRefusal:
+    """Why a rewrite of the user's files does not apply to a region that lives in a library (`intent.library`): the
+    library file is outside the repository and is never edited; such a region is rewritten by a patch module in the
+    user's repository (not built yet)."""
+    library = intent.library
+    where = f"{library.file}, {library.function or 'lines ' + library.lines()}" if library else "?"
+    owner = " ".join(x for x in (library.distribution, library.version) if x) if library else ""
+    return CoderRefusal(recipe_id=recipe_id, reason=(
+        f"the region is library code ({where}{', ' + owner if owner else ''}), reached from "
+        f"{', '.join(str(s) for s in intent.spans) or 'no line of the repository'}: this recipe rewrites the user's "
+        "files, and the library file lies outside the repository (never edited); a library region needs a patch "
+        "module in the repository"))
+
+
 def make_candidate(workspace, intent: Intent, recipe: Recipe, attempt: int = 0, *, overlay: str | None = None) -> Candidate | CoderRefusal:
     """Apply `recipe` at the first of the intent's spans where it applies; commit; or say why not.
 
     `overlay`: a commit whose files are laid over the run head first (the pending-NPU branch head, so
     numerics-verified NPU rewrites stack: the candidate then carries them too, and its cherry-pick onto
     that branch adds only the new rewrite)."""
+    if intent.library is not None:
+        return library_refusal(intent, recipe.id)
     name = candidate_name(intent, recipe.id, attempt)
     cand = workspace.start_candidate(name)
     if overlay is not None:

@@ -1,5 +1,6 @@
 """One compiled graph -> FusionGroups: each kernel call with the ATen ops it covers, its kind (fused,
-library extern, single) and the source spans of those ops (kernel stacks first, FX nodes second)."""
+library extern, single) and the source spans of those ops (kernel stacks first, FX nodes second): the user's lines
+(`spans`) and the library lines (`library_lines`: transformers' LlamaRMSNorm.forward, ...) the ops ran under."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from trainbridge.records import FusionGroup, KernelKind, Phase, SourceSpan
+from trainbridge.records import FusionGroup, KernelKind, LibrarySpan, Phase, SourceSpan
 from trainbridge.tools.inductor.format import VIEW_OPS
 from trainbridge.tools.inductor.fx import FxNode, parse_stack_trace
 from trainbridge.tools.inductor.output_code import KernelCall, KernelDef, OutputCode
+from trainbridge.tools.library_code import library_path, library_span
 from trainbridge.tools.repo_paths import RepoPathMapper
 
 
@@ -79,14 +81,17 @@ def graph_groups(graph: Graph, mapper: RepoPathMapper) -> tuple[list[FusionGroup
         aten_ops = _aten_ops(call, snap, post_nodes, graph, kdef, vocabulary)
 
         spans: list[SourceSpan] = []
+        library: list[LibrarySpan] = []
         if snap and snap["stack_traces"]:
             spans = _spans_from_stacks(snap["stack_traces"], mapper)
-            used_stacks = used_stacks or bool(spans)
-        if not spans:
+            library = _library_lines_from_stacks(snap["stack_traces"], mapper)
+            used_stacks = used_stacks or bool(spans) or bool(library)
+        if not spans and not library:
             spans = _spans_from_nodes(post_nodes, graph.fx, mapper)
-        groups.append(FusionGroup(kernel=call.name, aten_ops=aten_ops, spans=spans, phase=graph.phase,
-                                  kind=_kind(call, aten_ops), graph=graph.label))
-    source = "kernel_stack_traces" if used_stacks else ("fx_graph" if any(g.spans for g in groups) else "none")
+            library = _library_lines_from_nodes(post_nodes, graph.fx)
+        groups.append(FusionGroup(kernel=call.name, aten_ops=aten_ops, spans=spans, library_lines=library,
+                                  phase=graph.phase, kind=_kind(call, aten_ops), graph=graph.label))
+    source = "kernel_stack_traces" if used_stacks else ("fx_graph" if any(g.spans or g.library_lines for g in groups) else "none")
     return groups, source
 
 
@@ -172,6 +177,30 @@ def _spans_from_stacks(stacks: Iterable[str], mapper: RepoPathMapper) -> list[So
                                                                line_end=frame.line, function=frame.function))
                 break
     return [spans[k] for k in sorted(spans)]
+
+
+def _library_lines_from_stacks(stacks: Iterable[str], mapper: RepoPathMapper) -> list[LibrarySpan]:
+    """Every library frame of the stacks below their innermost repository frame, innermost first, once each."""
+    lines: dict[tuple[str, int], LibrarySpan] = {}
+    for stack in stacks:
+        for frame in reversed(parse_stack_trace(stack)):
+            if mapper.map(frame.file) is not None:
+                break  # the user's code: what calls the library is the user's call site
+            rel = library_path(frame.file)
+            if rel is not None and (rel, frame.line) not in lines:
+                lines[(rel, frame.line)] = library_span(rel, frame.line, frame.line, frame.function)
+    return list(lines.values())
+
+
+def _library_lines_from_nodes(nodes: list[str], fx: dict[str, FxNode]) -> list[LibrarySpan]:
+    """The `# File:` comments of the FX graph name the innermost frame only: library lines where that is a library's."""
+    lines: dict[tuple[str, int], LibrarySpan] = {}
+    for n in nodes:
+        node = fx.get(n)
+        rel = library_path(node.file) if node is not None and node.file is not None and node.line is not None else None
+        if rel is not None and (rel, node.line) not in lines:
+            lines[(rel, node.line)] = library_span(rel, node.line, node.line, node.function)
+    return list(lines.values())
 
 
 def _spans_from_nodes(nodes: list[str], fx: dict[str, FxNode], mapper: RepoPathMapper) -> list[SourceSpan]:
