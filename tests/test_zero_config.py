@@ -105,18 +105,88 @@ def test_a_file_left_out_by_its_name_is_named_with_the_data_entry_that_shows_it(
     assert f"it is in your checkout ({user}/" in message and 'data = ["out-shakespeare-char/"]' in message, message
 
 
-def test_a_file_that_is_nowhere_says_to_create_it(tmp_path):
-    user = nanogpt_style(tmp_path / "user", data=False)
-    wt = worktree(user, tmp_path)
-    result = run_workload(workload_for_launch(wt, CPU_LINE).with_overrides(steps=1, warmup_steps=0))
-    assert result.failure is not None and result.failure.kind == FailureKind.bad_workload
-    assert "'data/shakespeare_char/meta.pkl'" in result.failure.message and "not in your checkout" in result.failure.message
-    assert "Create it there first" in result.failure.message
-
-
 def test_an_untracked_input_beside_a_script_of_a_subfolder_is_shown(tmp_path):
     user = mingpt_style(tmp_path / "user")
     wt = worktree(user, tmp_path)
     run_dir = make_run_dir(wt, [], tmp_path / "cwd")
     assert list(run_dir.shown) == ["projects/chargpt/input.txt"]
     assert (run_dir.cwd / "projects" / "chargpt" / "input.txt").read_text() == (user / "projects/chargpt/input.txt").read_text()
+
+
+# --- init: proves its launch line here, falls back to the next, says the cause and the fix (issue 30, item 1) ---
+
+def init(*args: str):
+    from typer.testing import CliRunner
+
+    from trainbridge.graph.cli.app import build_app
+
+    return CliRunner().invoke(build_app(), ["init", *map(str, args)], env={"COLUMNS": "200"})
+
+
+def test_without_cuda_a_readmes_cpu_line_goes_before_its_gpu_line_of_the_same_score(tmp_path):
+    from trainbridge.tools.launch.discovery import discover_launch, line_device
+
+    user = nanogpt_style(tmp_path / "user")
+    gpu_first = discover_launch(user, cuda=True)
+    assert [c.device for c in gpu_first.candidates] == [None, "cpu"]  # file order: the GPU line comes first
+    cpu_first = discover_launch(user, cuda=False)
+    assert cpu_first.best.launch == "python train.py config/train_shakespeare_char.py --device=cpu --max_iters=300"
+    assert cpu_first.best.score == cpu_first.candidates[1].score and "this host has no CUDA" in cpu_first.best.reasons[-1]
+    assert cpu_first.data_paths == ["data/shakespeare_char/meta.pkl"]  # the stale out-*/ckpt.pt is an output, not data
+    assert [line_device(a.split()) for a in ("--device cpu", "--device=cuda:1", "--accelerator=gpu", "--no-cuda", "--lr=1")] \
+        == ["cpu", "cuda", "cuda", "cpu", None]
+
+
+def test_init_falls_back_from_a_gpu_line_that_fails_here_saying_why_and_the_override(tmp_path, monkeypatch):
+    from trainbridge.graph.cli import init as init_cmd
+
+    monkeypatch.setattr(init_cmd, "cuda_here", lambda: True)  # ranked as on a CUDA host: the GPU line first
+    user = nanogpt_style(tmp_path / "user")
+    result = init(user, "--yes")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "the check failed (exception): AssertionError: Torch not compiled with CUDA enabled" in out
+    assert ('cause: it asked for a CUDA device and this host has none (Torch not compiled with CUDA enabled); fix: under '
+            '[overrides] in trainbridge.toml: device = "cpu" (constant, train.py:19') in out
+    assert "trying the next launch line: python train.py config/train_shakespeare_char.py --device=cpu --max_iters=300" in out
+    assert "it runs: median step" in out and "did not" in out
+    import tomllib
+
+    assert tomllib.loads((user / "trainbridge.toml").read_text())["launch"].endswith("--device=cpu --max_iters=300")
+
+
+def test_a_check_that_misses_its_data_names_the_file_and_the_preparation_and_tries_no_other_line(tmp_path):
+    user = nanogpt_style(tmp_path / "user", data=False)
+    result = init(user, "--yes")
+    assert result.exit_code == 0, result.output
+    assert "cause: a file it reads is missing: data/shakespeare_char/meta.pkl; fix: run the repository's data preparation " \
+           "first (python data/shakespeare_char/prepare.py, in your checkout)" in result.output
+    assert "trying the next launch line" not in result.output and "shrink it under" not in result.output
+    assert f"it is not in your checkout ({user}) either" in result.output and "Create it there first" in result.output
+
+
+def test_a_check_that_downloads_says_it_needs_the_network(tmp_path):
+    script = ('import urllib.request\nimport torch\n\ntext = urllib.request.urlopen("http://example.invalid/input.txt").read()\n'
+              'model = torch.nn.Linear(2, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\nfor _ in range(100):\n'
+              '    loss = model(torch.ones(2)).sum()\n    loss.backward()\n    opt.step()\n')
+    user = write(tmp_path / "user", {"train.py": script, "README.md": "```\npython train.py\n```\n"})
+    from trainbridge.tests.zero_config_repos import commit_all
+
+    commit_all(user)
+    result = init(user, "--yes")
+    assert "cause: it downloads something when it starts" in result.output, result.output
+    assert "the sandbox has no network" in result.output
+
+
+def test_init_follows_a_trainer_object_into_the_repositorys_package_and_the_check_runs(tmp_path):
+    user = mingpt_style(tmp_path / "user")
+    result = init(user, "--yes")
+    assert result.exit_code == 0, result.output
+    assert "1. python projects/chargpt/chargpt.py" in result.output
+    assert ("projects/chargpt/chargpt.py calls Trainer of mingpt/trainer.py, which builds an optimizer (mingpt/trainer.py:15) "
+            "and calls .backward() (mingpt/trainer.py:21)") in result.output
+    assert "no training script" not in result.output and "it runs: median step" in result.output, result.output
+    import tomllib
+
+    assert tomllib.loads((user / "trainbridge.toml").read_text()) == {"launch": "python projects/chargpt/chargpt.py",
+                                                                       "pythonpath": ["."]}

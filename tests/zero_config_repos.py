@@ -119,7 +119,10 @@ for iter_num in range(max_iters):
         torch.save(model.state_dict(), os.path.join(out_dir, "ckpt.pt"))
 '''
 
-PREPARE = '''"""Writes train.bin, val.bin and meta.pkl beside this file (needs the network in the real thing)."""
+PREPARE = '''"""Writes train.bin, val.bin and meta.pkl beside this file (from a text it downloads, in the real thing)."""
+import os
+
+print("tokenizing into", os.path.dirname(__file__))
 '''
 
 NANO_README = '''# tinygpt

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -18,8 +19,12 @@ from trainbridge.graph.cli.terminal import error as _error
 from trainbridge.tools.launch.init_toml import literal_value, render_toml, toml_key, toml_value
 from trainbridge.tools.launch.discovery import Discovery, LaunchCandidate, discover_launch
 
+if TYPE_CHECKING:
+    from trainbridge.sandbox.results import RunResult
+
 TOML_NAME = "trainbridge.toml"
 CHECK_STEPS, CHECK_WARMUP = 2, 1  # the one short measurement
+MAX_TRIES = 3  # launch lines measured at most, the chosen one and those after it
 
 
 def init(
@@ -40,7 +45,7 @@ def init(
     if target.exists() and not force:
         _error(f"{target} already exists; init does not overwrite it. Pass --force to replace it, or edit it by hand.")
         raise typer.Exit(2)
-    found = discover_launch(root)
+    found = discover_launch(root, cuda=cuda_here())
     show_discovery(found)
     if found.best is None:
         _error(found.nothing_found())
@@ -51,10 +56,9 @@ def init(
         raise typer.Exit(0)
     target.write_text(render_toml(found, chosen), encoding="utf-8")
     _say(f"wrote {target}")
-    if measure:
-        check_once(root)
+    failed = measure and prove(root, found, chosen) is False
     shrink = shrink_hints(found)
-    if shrink:
+    if shrink and not failed:  # a failed check said its own fix
         _say(f"if a step does not fit this machine, shrink it under [overrides] in {target}: {shrink}")
 
 
@@ -103,13 +107,65 @@ def script_mode_available() -> bool:
     return "launch" in WorkloadConfig.model_fields
 
 
-def check_once(root: Path) -> bool:
-    """One short measurement through the measure path; True when it ran. Guarded: without script mode,
-    or when the loader cannot read the file yet, it says how to check instead of failing."""
+def cuda_here() -> bool:
+    """Whether this host can run CUDA (ranks a README's CPU line before its GPU line when not)."""
+    from trainbridge.sandbox.backends import availability
+
+    return availability("cuda").available
+
+
+def prove(root: Path, found: Discovery, chosen: LaunchCandidate) -> LaunchCandidate | bool:
+    """Measure the written launch line; when it fails for a reason another line may not share (a device), try the
+    next candidates that can run here (MAX_TRIES in all) and keep the first that runs. Says the cause of each failure
+    and the override that fixes it (tools/launch/check_advice.py). Returns the line that ran, False when none did, True
+    when no check could run (said so)."""
+    from trainbridge.tools.launch.check_advice import advise
+
+    target = root / TOML_NAME
+    tried: list[LaunchCandidate] = []
+    for candidate in [chosen, *(c for c in found.candidates if c is not chosen)]:
+        if len(tried) == MAX_TRIES:
+            break
+        if tried:
+            if launch_refused(root, candidate):
+                continue
+            _say(f"trying the next launch line: {candidate.launch}")
+            target.write_text(render_toml(found, candidate), encoding="utf-8")
+        tried.append(candidate)
+        result = check_once(root)
+        if result is None:
+            return True
+        if result.ok:
+            if candidate is not chosen:
+                _say(f"wrote {target} with launch = {candidate.launch!r}: it runs here, {chosen.launch!r} did not")
+            return candidate
+        advice = advise(result.failure, found)
+        _say(f"cause: {advice.cause}" + (f"; fix: {advice.fix}" if advice.fix else ""))
+        if not advice.line_specific:
+            break
+    if len(tried) > 1:
+        target.write_text(render_toml(found, chosen), encoding="utf-8")
+        _say(f"no launch line ran here ({len(tried)} tried); {target} keeps launch = {chosen.launch!r}: apply the fix above")
+    return False
+
+
+def launch_refused(root: Path, candidate: LaunchCandidate) -> bool:
+    """Whether script mode refuses the line before running it (several nodes, too many ranks): not worth a check."""
+    from trainbridge.sandbox.script.launch import LaunchError, parse_launch
+
+    try:
+        return parse_launch(candidate.launch).launch_problem() is not None
+    except LaunchError:
+        return True
+
+
+def check_once(root: Path) -> RunResult | None:
+    """One short measurement through the measure path: its result, or None when it could not run (said so). Guarded:
+    without script mode, or when the loader cannot read the file yet, it says how to check instead of failing."""
     if not script_mode_available():
         _say(f"written; run `trainbridge measure {root}` to check it (this version cannot run a "
              "`launch` line yet)")
-        return False
+        return None
     from trainbridge.sandbox.runner import run_workload
     from trainbridge.sandbox.workload import WorkloadConfigError, load_workload
 
@@ -117,16 +173,16 @@ def check_once(root: Path) -> bool:
         workload = load_workload(root).with_overrides(steps=CHECK_STEPS, warmup_steps=CHECK_WARMUP)
     except WorkloadConfigError as exc:
         _say(f"written, but it does not load yet: {exc}; run `trainbridge measure {root}` after fixing it")
-        return False
+        return None
     _say(f"measuring {CHECK_WARMUP} warm-up + {CHECK_STEPS} steps to check it")
     result = run_workload(workload, backend="cpu")
     if result.ok:
         _say(f"it runs: median step {result.median_step_s() * 1000:.1f} ms")
-        return True
+        return result
     failure = result.failure
     tail = f"\n{failure.traceback_tail}" if failure and failure.traceback_tail else ""
     _say(f"the check failed ({failure.kind if failure else 'unknown'}): {failure.message if failure else ''}{tail}")
-    return False
+    return result
 
 
 def shrink_hints(found: Discovery, most: int = 6) -> str:

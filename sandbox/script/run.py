@@ -149,7 +149,26 @@ def missing_file_hint(message: str, run_dir: RunDir) -> str:
         return (f"{MISSING_FILE}{name!r}: it is in your checkout ({checkout / rel}) but the run did not show it"
                 f"{f' ({entry}: {why})' if why else ''}. Add data = [\"{entry}\"] to trainbridge.toml and every run sees "
                 "it read-only (with `-- <launch line>` too: a trainbridge.toml still gives its data)")
+    elsewhere = _files_named(checkout, rel.name)
+    if elsewhere:
+        return (f"{MISSING_FILE}{name!r}: your checkout has {', '.join(elsewhere[:3])}, but the script looks for it relative "
+                "to its working directory, which is the repository's root in every run (as `python <script>` typed at the "
+                "root). Make the path it opens one relative to the root (an argument or setting of the script, set under "
+                "[overrides] in trainbridge.toml), or put the file where it looks")
     return (f"{MISSING_FILE}{name!r} (working directory: the run's mirror of the repository): it is not in your checkout "
             f"({checkout}) either, and the run shows the checkout's git-ignored files read-only by itself. Create it there "
             "first (the repository's data preparation step; its README says which), or, if the script reads it from "
             "elsewhere in the repository under another name, list that in data = [...] of trainbridge.toml")
+
+
+def _files_named(root: Path, name: str, limit: int = 20_000) -> list[str]:
+    """Repo-relative paths of the files called `name` below `root` (hidden folders skipped, `limit` files looked at)."""
+    hits, seen = [], 0
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in ("__pycache__", "node_modules"))
+        seen += len(files)
+        if name in files:
+            hits.append(Path(folder, name).relative_to(root).as_posix())
+        if seen > limit:
+            break
+    return hits

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainbridge.sandbox.script.ignored import not_an_input
 from trainbridge.tools.git.ignore_rules import IgnoreRules
 from trainbridge.tools.launch.lines import ParsedLaunch, lines_in_markdown, lines_in_shell, parse_launch
 from trainbridge.tools.launch.script_facts import SIZE_NAMES, ScriptFacts, SettingHint, read_script_facts
@@ -74,6 +75,7 @@ class LaunchCandidate(_Record):
     evidence: list[LaunchEvidence]
     score: float
     reasons: list[str]
+    device: str | None = None  # the device the line names (`--device=cpu`: "cpu"; `--device cuda:0`: "cuda"), if any
 
 
 class NearMiss(_Record):
@@ -99,6 +101,7 @@ class Discovery(_Record):
     data_missing: list[str] = Field(default_factory=list)  # bare names it reads that are nowhere on disk yet
     configurable_by: list[str] = Field(default_factory=list)  # how the best script takes settings
     distributed: bool = False  # the best script initialises torch.distributed / reads RANK
+    pythonpath: list[str] = Field(default_factory=list)  # import dirs the best script needs besides its own folder
 
     @property
     def best(self) -> LaunchCandidate | None:
@@ -129,9 +132,10 @@ def repository_files(root: Path) -> list[str]:
     return sorted(found, key=lambda p: (p.count("/"), p))
 
 
-def discover_launch(repo: Path) -> Discovery:
+def discover_launch(repo: Path, *, cuda: bool = True) -> Discovery:
     """Ranked launch candidates of the training in `repo` (a folder), with the settings and data
-    paths of the best one."""
+    paths of the best one. `cuda`: whether this host has CUDA; without it a line that names the CPU
+    goes before the lines of the same score that do not (a README's GPU line written before its CPU line)."""
     root = Path(repo).resolve()
     files = repository_files(root)
     facts: dict[str, ScriptFacts] = {}
@@ -143,18 +147,21 @@ def discover_launch(repo: Path) -> Discovery:
 
     def training_of(rel: str) -> str | None:
         """Why `rel` counts as a training script, or None: it builds an optimizer and calls .backward()
-        itself, or calls it through a module of the repository it imports (an engine.py's train_one_epoch)."""
+        itself, or calls it through a module of the repository it imports (an engine.py's train_one_epoch), or it
+        calls into a module of the repository that does both (a Trainer whose run() builds the optimizer)."""
         script_facts = facts_of(rel)
-        if script_facts is None or not script_facts.runs_as_script or not script_facts.optimizer_lines:
+        if script_facts is None or not script_facts.runs_as_script:
             return None
-        if script_facts.backward_lines:
+        if script_facts.optimizer_lines and script_facts.backward_lines:
             return f"{rel} builds an optimizer and calls .backward()"
-        for module in script_facts.imports:
-            imported = _module_file(root, rel, module)
-            helper = facts_of(imported) if imported else None
-            if helper is not None and helper.backward_lines:
-                return f"{rel} builds an optimizer; .backward() is called in {imported}:{helper.backward_lines[0]}"
-        return None
+        if script_facts.optimizer_lines:
+            for module in script_facts.imports:
+                imported = _module_file(root, rel, module)
+                helper = facts_of(imported) if imported else None
+                if helper is not None and helper.backward_lines:
+                    return f"{rel} builds an optimizer; .backward() is called in {imported}:{helper.backward_lines[0]}"
+            return None
+        return _trainer_of(root, rel, script_facts, facts_of)
 
     found: dict[tuple[str, ...], LaunchCandidate] = {}
     skipped: list[str] = []
@@ -194,7 +201,7 @@ def discover_launch(repo: Path) -> Discovery:
                 continue  # exec'd by the training script to read its settings, not a program of its own
             near.append(NearMiss(script=rel, reason=f"runs as a script but {script_facts.why_not_training()}"))
         elif not any(c.script == rel for c in found.values()):
-            line = script_facts.main_guard or min(script_facts.backward_lines or script_facts.optimizer_lines)
+            line = script_facts.main_guard or min(script_facts.backward_lines or script_facts.optimizer_lines or [1])
             if script_facts.needs_torchrun:  # `python x.py` would stop at its os.environ["RANK"]
                 parsed = ParsedLaunch(argv=["torchrun", "--standalone", "--nproc_per_node=1", rel], script=rel, script_args=[],
                                       torchrun=True, nproc=1, notes=["it reads RANK/WORLD_SIZE from the environment without a "
@@ -204,12 +211,74 @@ def discover_launch(repo: Path) -> Discovery:
             _add(found, parsed, rel, LaunchEvidence(kind=EvidenceKind.script_only, file=rel, line=line,
                                                     text=shlex.join(parsed.argv)), root, facts_of, training_of(rel))
 
-    candidates = sorted(found.values(), key=lambda c: (-c.score, c.evidence[0].file.count("/"), c.evidence[0].file,
-                                                       c.evidence[0].line))
+    candidates = sorted(found.values(), key=lambda c: (-c.score, cuda or c.device != "cpu", c.evidence[0].file.count("/"),
+                                                       c.evidence[0].file, c.evidence[0].line))
+    if not cuda:
+        candidates = [_cpu_first(c, candidates) for c in candidates]
     discovery = Discovery(repo=str(root), candidates=candidates, near_misses=near, skipped=skipped)
     if candidates:
         _describe_best(discovery, root, facts_of)
     return discovery
+
+
+_DEVICE_OPTIONS = ("device", "accelerator", "device_type", "trainer.accelerator")
+_CPU_FLAGS = ("--cpu", "--no-cuda", "--no_cuda", "--use_cpu", "--use-cpu")
+
+
+def line_device(argv: list[str]) -> str | None:
+    """The device a launch line names: "cpu" (`--device=cpu`, `--device cpu`, `--accelerator=cpu`, `--no-cuda`),
+    "cuda" (`--device=cuda:0`, `--accelerator gpu`), or None when it leaves the choice to the script."""
+    for index, word in enumerate(argv):
+        if word in _CPU_FLAGS:
+            return "cpu"
+        name, equals, value = word.partition("=")
+        if name.lstrip("-") not in _DEVICE_OPTIONS:
+            continue
+        if not equals and index + 1 < len(argv):
+            value = argv[index + 1]
+        value = value.strip("'\"").lower()
+        if value.startswith("cpu"):
+            return "cpu"
+        if value.startswith(("cuda", "gpu")):
+            return "cuda"
+    return None
+
+
+def _cpu_first(candidate: LaunchCandidate, ranked: list[LaunchCandidate]) -> LaunchCandidate:
+    """A CPU line, with the reason it goes before the lines of its score (this host has no CUDA)."""
+    if candidate.device != "cpu" or not any(c.score == candidate.score and c.device != "cpu" for c in ranked):
+        return candidate
+    return candidate.model_copy(update={"reasons": [*candidate.reasons, "it names the CPU and this host has no CUDA: first "
+                                                    "among the lines of its score"]})
+
+
+def _import_roots(root: Path, rel: str, script: ScriptFacts) -> list[str]:
+    """`["."]` when the script, in a subfolder, imports a package of the repository that only the root makes importable
+    (`projects/chargpt/chargpt.py` importing `mingpt`, which its authors install with `pip install -e .`)."""
+    folder = (root / rel).parent
+    if folder == root:
+        return []
+    for module in script.imports:
+        top = module.split(".")[0]
+        if not top or module.startswith("."):
+            continue
+        if not (folder / top).exists() and not (folder / f"{top}.py").exists() and \
+                ((root / top / "__init__.py").is_file() or (root / f"{top}.py").is_file()):
+            return ["."]
+    return []
+
+
+def _trainer_of(root: Path, rel: str, script: ScriptFacts, facts_of) -> str | None:
+    """Why `rel` trains through a module of the repository it imports and calls into (`Trainer(...).run()` of a
+    trainer.py that builds the optimizer and calls .backward()), or None."""
+    for name in sorted(script.called & set(script.bound)):
+        for module in script.bound[name]:
+            imported = _module_file(root, rel, module)
+            helper = facts_of(imported) if imported else None
+            if helper is not None and helper.optimizer_lines and helper.backward_lines:
+                return (f"{rel} calls {name} of {imported}, which builds an optimizer ({imported}:{helper.optimizer_lines[0]}) "
+                        f"and calls .backward() ({imported}:{helper.backward_lines[0]})")
+    return None
 
 
 def _resolve_script(root: Path, source: str, script: str) -> str | None:
@@ -256,7 +325,8 @@ def _add(found: dict[tuple[str, ...], LaunchCandidate], parsed: ParsedLaunch, sc
                and facts.only_assignments]
     found[key] = LaunchCandidate(launch=shlex.join(parsed.argv), argv=parsed.argv, script=script,
                                  torchrun=parsed.torchrun, nproc=parsed.nproc, config_files=configs, env=parsed.env,
-                                 evidence=[evidence], score=score, reasons=reasons + parsed.notes)
+                                 evidence=[evidence], score=score, reasons=reasons + parsed.notes,
+                                 device=line_device(parsed.script_args))
 
 
 def _describe_best(discovery: Discovery, root: Path, facts_of) -> None:
@@ -285,6 +355,7 @@ def _describe_best(discovery: Discovery, root: Path, facts_of) -> None:
         how.append("a hyperparameter dataclass (overrides of its defaults)")
     discovery.configurable_by = how
     discovery.distributed = script.distributed
+    discovery.pythonpath = _import_roots(root, best.script, script)
     rules = IgnoreRules.of(root)
     data: list[str] = []
     missing: list[str] = []
@@ -294,7 +365,7 @@ def _describe_best(discovery: Discovery, root: Path, facts_of) -> None:
             if path is None:
                 continue
             for found in _located(root, path, rules, missing):
-                if found not in data:
+                if found not in data and not_an_input(found) is None:  # out-*/ckpt.pt: what the script writes
                     data.append(found)
     discovery.data_paths = data
     discovery.data_missing = missing

@@ -76,6 +76,10 @@ def render_toml(found: Discovery, chosen: LaunchCandidate, *, today: date | None
         lines.append(f"# torchrun with {chosen.nproc or 'several'} processes per node: on a smaller machine lower "
                      "--nproc_per_node (2 gloo ranks on the CPU).")
     lines += [f"launch = {json.dumps(chosen.launch)}", ""]
+    if found.pythonpath:
+        lines += [f"# {chosen.script} imports packages of the repository from its root (installed with `pip install -e .`",
+                  "# by its authors): the root joins the script's import path.",
+                  f"pythonpath = [{', '.join(json.dumps(p) for p in found.pythonpath)}]", ""]
     if found.data_paths:
         lines += ["# Paths the script reads that git ignores: they are not in TrainBridge's worktrees, so every",
                   "# run sees your copies here, read-only.",

@@ -60,6 +60,8 @@ class ScriptFacts:
     settings: list[SettingHint] = field(default_factory=list)
     path_strings: list[tuple[str, int]] = field(default_factory=list)
     imports: list[str] = field(default_factory=list)  # modules it imports (relative ones with their dots)
+    bound: dict[str, list[str]] = field(default_factory=dict)  # a name the imports bind -> the modules it may come from
+    called: set[str] = field(default_factory=set)  # the first name of every call (`Trainer(...)`, `engine.train(...)`)
     call_keywords: list[tuple[str, str, str, int]] = field(default_factory=list)  # `GPTConfig(n_layer=12)`: class, keyword, value, line
     only_assignments: bool = False  # a config file: nothing but `name = literal` lines
     syntax_error: str | None = None
@@ -107,11 +109,15 @@ def read_script_facts(root: Path, rel: str) -> ScriptFacts:
             _read_call(node, facts)
         elif isinstance(node, ast.Import):
             facts.imports += [alias.name for alias in node.names]
+            for alias in node.names:
+                facts.bound[alias.asname or alias.name.split(".")[0]] = [alias.name]
         elif isinstance(node, ast.ImportFrom):
             base = "." * node.level + (node.module or "")
             facts.imports.append(base)
             if node.module is None or node.level:  # `from . import engine`: the names may be modules
                 facts.imports += [f"{base}{'' if base.endswith('.') else '.'}{alias.name}" for alias in node.names]
+            for alias in node.names:  # `from mingpt.trainer import Trainer`, or `from mingpt import trainer` (a module)
+                facts.bound[alias.asname or alias.name] = [base, f"{base}{'' if base.endswith('.') else '.'}{alias.name}"]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _PATH_LIKE.match(node.value):
             facts.path_strings.append((node.value, node.lineno))
         elif isinstance(node, ast.ClassDef) and any(_decorator_name(d) == "dataclass" for d in node.decorator_list):
@@ -134,6 +140,7 @@ def read_script_facts(root: Path, rel: str) -> ScriptFacts:
 
 def _read_call(node: ast.Call, facts: ScriptFacts) -> None:
     name = _dotted(node.func)
+    facts.called.add(name.split(".", 1)[0])
     callee = name.rsplit(".", 1)[-1]
     facts.call_keywords += [(callee, k.arg, ast.unparse(k.value), node.lineno) for k in node.keywords
                             if k.arg is not None and isinstance(k.value, ast.Constant) and callee[:1].isupper()]
