@@ -25,7 +25,7 @@ def _accepted(sha: str, category: str, ratio: float, ci: tuple[float, float], **
 
 def _state(**overrides) -> dict:
     first = _accepted(SHA_1, "silu", 0.9, (0.88, 0.93), gate={"rounds": 7, "busy_rounds": [3], "round_medians": ROUNDS,
-                                                           "look_rounds": [6, 7], "min_gain": 0.01, "wall_s": 41.0})
+                                                           "look_rounds": [6], "min_gain": 0.01, "wall_s": 41.0})
     second = _accepted(SHA_2, "rmsnorm", 0.97, (0.95, 0.99))  # a run from before the rounds were kept
     state = {"run_id": "r", "base_sha": "a" * 40, "run_branch": "trainbridge/r", "baseline_step_s": 0.125,
              "accepted": [first, second], "verdicts": [first, second], "candidates_tried": 2,
@@ -80,10 +80,13 @@ def test_each_accepted_commit_has_its_sha_its_diff_collapsed_and_a_plot_of_its_r
     assert "+    return torch.nn.functional.silu(x)" in commits
     assert "![the gate's rounds for commit 1](gate_rounds_1.svg)" in commits
     assert "7 interleaved rounds, 1 left out (the machine was busy)" in commits
+    assert "looked at 6 counted rounds (after round 7)" in commits  # the busy round 4 did not count towards the look
+    assert "(95% CI 0.880–0.930, 6 rounds counted, 1 left out as busy)" in _section(markdown, "Result")
     assert "rounds were not kept for this commit" in commits  # the second commit's verdict kept none
     svg = (tmp_path / "gate_rounds_1.svg").read_text(encoding="utf-8")
     assert svg.count("<circle") == 7 and svg.count('fill="none"') == 1  # one point per round, the busy one hollow
     assert "round 4: baseline 150.00 ms, candidate 95.00 ms" in svg and "0.990: min gain 1%" in svg
+    assert "the gate looked at 6 counted rounds (after round 7)" in svg
 
     source = (tmp_path / "report.html").read_text(encoding="utf-8")
     page = _Page()

@@ -60,11 +60,13 @@ def gate_line(baseline: float | None, accepted: list[dict[str, Any]]) -> str:
         return "Accepted commits have no measured ratio (numerics-only verdicts)."
 
     def figure(record: dict[str, Any]) -> str:
-        rounds = (record.get("gate") or {}).get("rounds")
+        gate = record.get("gate") or {}
+        busy = len(gate.get("busy_rounds") or [])
+        rounds = (gate.get("rounds") or 0) - busy
         text = f"{record.get('category')} {record['ratio']:.3f}"
         if record.get("ratio_ci"):
             text += f" (95% CI {record['ratio_ci'][0]:.3f}–{record['ratio_ci'][1]:.3f}"
-            text += f", {rounds} rounds)" if rounds else ")"
+            text += (f", {rounds} rounds" + (f" counted, {busy} left out as busy" if busy else "") + ")") if rounds > 0 else ")"
         return text
 
     product = math.prod(a["ratio"] for a in measured)

@@ -56,11 +56,10 @@ def gate_rounds_svg(gate: dict[str, Any], *, ratio: float | None, ratio_ci: list
                      + _label(y(accept_line), f"{accept_line:.3f}: min gain {min_gain:.0%}", "#b8860b", dy=11))
     if ratio:
         parts.append(_hline(y(ratio), "#1f7a4d", ' stroke-width="2"'))
-    for look in gate.get("look_rounds") or []:
-        if 1 <= look <= len(rounds):
-            edge = LEFT + plot_w * look / len(rounds)
-            parts.append(f'<line x1="{edge:.1f}" y1="{TOP}" x2="{edge:.1f}" y2="{TOP + plot_h}" stroke="#9aa4ae" '
-                         f'stroke-dasharray="2 3"><title>the gate looked after round {look}</title></line>')
+    for look, after in look_positions(gate, len(rounds)):
+        edge = LEFT + plot_w * after / len(rounds)
+        parts.append(f'<line x1="{edge:.1f}" y1="{TOP}" x2="{edge:.1f}" y2="{TOP + plot_h}" stroke="#9aa4ae" '
+                     f'stroke-dasharray="2 3"><title>the gate looked at {look} counted rounds (after round {after})</title></line>')
     for index, ((b, c), value) in enumerate(zip(rounds, ratios)):
         left_out = index in busy
         tip = (f"round {index + 1}: baseline {b * 1e3:.2f} ms, candidate {c * 1e3:.2f} ms, ratio {value:.3f}"
@@ -78,6 +77,14 @@ def gate_rounds_svg(gate: dict[str, Any], *, ratio: float | None, ratio_ci: list
                  f'transform="rotate(-90 14 {TOP + plot_h / 2:.1f})">step-time ratio</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
+
+
+def look_positions(gate: dict[str, Any], rounds: int) -> list[tuple[int, int]]:
+    """(counted rounds at the look, the round it followed) per look: the sequential rule counts the rounds not left
+    out as busy (agents/profiler/sequential.py), so a look at 6 follows the 6th round that counted."""
+    busy = set(gate.get("busy_rounds") or [])
+    counted = [index + 1 for index in range(rounds) if index not in busy]
+    return [(look, counted[look - 1]) for look in gate.get("look_rounds") or [] if 1 <= look <= len(counted)]
 
 
 def _hline(at: float, colour: str, extra: str) -> str:

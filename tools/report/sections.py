@@ -10,7 +10,7 @@ from typing import Any
 
 from trainbridge.tools.report.page import escape_cell
 from trainbridge.tools.report.claims import ms
-from trainbridge.tools.report.rounds_svg import gate_rounds_svg
+from trainbridge.tools.report.rounds_svg import gate_rounds_svg, look_positions
 from trainbridge.tools.tables import INTENT_COLUMNS, intent_cells
 
 UNMEASURED = "speed unmeasured (no NPU)"
@@ -72,10 +72,11 @@ def _gate_figures(record: dict[str, Any]) -> str:
         parts.append(f"{gate['rounds']} interleaved rounds")
     if gate.get("busy_rounds"):
         parts.append(f"{len(gate['busy_rounds'])} left out (the machine was busy) and measured again")
-    if gate.get("look_rounds"):
-        parts.append(f"looked after rounds {', '.join(map(str, gate['look_rounds']))}")
+    looks = look_positions(gate, gate.get("rounds") or 0)
+    if looks:
+        parts.append("looked at " + ", ".join(f"{look} counted rounds (after round {after})" for look, after in looks))
     if gate.get("wall_s"):
-        parts.append(f"{gate['wall_s']:.0f} s")
+        parts.append(f"the gate took {gate['wall_s']:.0f} s")
     return ", ".join(parts) or "no figures recorded"
 
 
