@@ -25,6 +25,7 @@ from transformers.models.llama import modeling_llama  # noqa: E402
 
 from trainbridge.agents.analyst import affinity  # noqa: E402
 from trainbridge.agents.analyst.align import align, merge  # noqa: E402
+from trainbridge.agents.analyst.library_scan import scan_library_regions  # noqa: E402
 from trainbridge.agents.coder.candidate import CoderRefusal, make_candidate  # noqa: E402
 from trainbridge.knowledge.schema import load_recipe_dir  # noqa: E402
 from trainbridge.records import Evidence, Intent, IntentCategory, IntentSource, LibrarySpan, SourceSpan  # noqa: E402
@@ -134,6 +135,20 @@ def test_regions_of_one_user_line_are_distinct_intents_with_their_own_counts(rep
     assert 0 < rope.evidence.target_ops < rms.evidence.target_ops < at_call  # each region its own N, not the line's
     assert rms.evidence.reference_kernels is None  # no reference given here
     assert rms.where() == f"{LLAMA}:LlamaRMSNorm.forward:{rms.library.lines()} (transformers {transformers.__version__}) via hf_steps.py:{call}"
+
+
+def test_the_static_scan_reads_the_library_files_the_step_ran_and_keeps_what_ran(repo, table):
+    found, notes = scan_library_regions(table, target="cpu")
+    call = _line_of(repo / "hf_steps.py", "model(input_ids")
+    rms = _intent(found, "rmsnorm")
+    norm_start, norm_end = _lines_of("LlamaRMSNorm.forward")
+    assert rms.source == IntentSource.static and rms.library.file == LLAMA and rms.library.function == "LlamaRMSNorm.forward"
+    assert norm_start < rms.library.line_start < rms.library.line_end == norm_end  # the written-out norm through its weight
+    assert [(s.file, s.line_start) for s in rms.spans] == [("hf_steps.py", call)]
+    assert not any(i.library.function == "eager_attention_forward" for i in found)  # found in the file, never ran (SDPA did)
+    assert all("not scanned" in note for note in notes)
+    merged = _intent(align(found + affinity.detect(table, "AdamW"), table), "rmsnorm")
+    assert {"static", "msprof_affinity"} <= set(merged.evidence.detectors) and merged.library == rms.library  # static lines win
 
 
 def test_the_reference_maps_kernels_to_library_lines_so_k_is_known(table, reference):

@@ -2,7 +2,8 @@
 
 Phases (each timed): the static source scan; the eager step profiled on the target in the sandbox;
 the reference (the step under torch.compile in the sandbox, or an evidence pack brought from
-another machine); the advisor's rules over the eager ops; alignment and ranking. User code only ever
+another machine); the advisor's rules over the eager ops; the static scan of the library files the
+step ran (library_scan.py: regions of a model that lives in a library); alignment and ranking. User code only ever
 runs in sandbox children.
 """
 
@@ -18,6 +19,7 @@ from pydantic import Field
 
 from trainbridge.agents.analyst import affinity
 from trainbridge.agents.analyst.align import align
+from trainbridge.agents.analyst.library_scan import scan_library_regions
 from trainbridge.agents.analyst.static.scan import scan_repo_result
 from trainbridge.records import FusionGroup, Intent, Record
 from trainbridge.sandbox.npu_emulation import host_reference_env
@@ -99,8 +101,11 @@ def analyze_repo(
 
     with _timed("advisor_rules", timings, on_phase):
         advisor_intents = affinity.detect(table, optimizer_class)
+    with _timed("library_scan", timings, on_phase):
+        library_intents, library_notes = scan_library_regions(table, target=backend)
+    notes.extend(library_notes)
     with _timed("align", timings, on_phase):
-        intents = align(scanned.intents + advisor_intents, table, reference_groups)
+        intents = align(scanned.intents + library_intents + advisor_intents, table, reference_groups)
     step_ops = sum(1 for op in table.ops if op.step == 0)
     return Analysis(
         repo=str(root),
