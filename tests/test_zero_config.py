@@ -20,6 +20,15 @@ from trainbridge.tests.zero_config_repos import git, mingpt_style, nanogpt_style
 CPU_LINE = "python train.py config/train_shakespeare_char.py --device=cpu"
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+no_cuda_here = pytest.mark.skipif(_cuda(), reason="a GPU line runs on this host: the fallback from it is for hosts without CUDA")
+
+
 def worktree(user: Path, tmp_path: Path, name: str = "wt") -> Path:
     """A worktree of the user's checkout on a branch of its own, as `trainbridge run` makes one."""
     path = tmp_path / name
@@ -137,6 +146,7 @@ def test_without_cuda_a_readmes_cpu_line_goes_before_its_gpu_line_of_the_same_sc
         == ["cpu", "cuda", "cuda", "cpu", None]
 
 
+@no_cuda_here
 def test_init_falls_back_from_a_gpu_line_that_fails_here_saying_why_and_the_override(tmp_path, monkeypatch):
     from trainbridge.graph.cli import init as init_cmd
 
@@ -153,6 +163,22 @@ def test_init_falls_back_from_a_gpu_line_that_fails_here_saying_why_and_the_over
     import tomllib
 
     assert tomllib.loads((user / "trainbridge.toml").read_text())["launch"].endswith("--device=cpu --max_iters=300")
+
+
+@no_cuda_here
+def test_with_only_a_gpu_line_init_writes_the_device_override_that_makes_it_run(tmp_path):
+    import tomllib
+
+    from trainbridge.tests.zero_config_repos import NANO_README
+
+    user = nanogpt_style(tmp_path / "user", readme=NANO_README.split("No GPU?")[0])
+    result = init(user, "--yes")
+    assert result.exit_code == 0, result.output
+    assert "trying it with device = 'cpu': python train.py config/train_shakespeare_char.py" in result.output, result.output
+    assert "and that override: it runs here" in result.output
+    text = (user / "trainbridge.toml").read_text()
+    assert tomllib.loads(text)["overrides"] == {"device": "cpu"} and "# batch_size" in text  # the hints stay commented
+    assert 'device = "cpu"   # init: it asked for a CUDA device and this host has none' in text
 
 
 def test_a_check_that_misses_its_data_names_the_file_and_the_preparation_and_tries_no_other_line(tmp_path):

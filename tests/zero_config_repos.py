@@ -248,10 +248,10 @@ def tokens(folder: Path, *, count: int = 4000, seed: int = 0) -> None:
         pickle.dump({"vocab_size": VOCAB}, handle)
 
 
-def nanogpt_style(path: Path, *, data: bool = True) -> Path:
+def nanogpt_style(path: Path, *, data: bool = True, readme: str = NANO_README) -> Path:
     """A committed nanoGPT-style repository; its token data (git-ignored) written after the commit, as prepare.py
     would; a stale checkpoint of an earlier run in out-shakespeare-char/ and a .venv/, both git-ignored too."""
-    write(path, {"README.md": NANO_README, "train.py": NANO_TRAIN, "model.py": MODEL, "configurator.py": CONFIGURATOR,
+    write(path, {"README.md": readme, "train.py": NANO_TRAIN, "model.py": MODEL, "configurator.py": CONFIGURATOR,
                  "config/train_shakespeare_char.py": NANO_CONFIG, "data/shakespeare_char/prepare.py": PREPARE,
                  ".gitignore": NANO_GITIGNORE})
     commit_all(path)

@@ -116,33 +116,42 @@ def cuda_here() -> bool:
 
 def prove(root: Path, found: Discovery, chosen: LaunchCandidate) -> LaunchCandidate | bool:
     """Measure the written launch line; when it fails for a reason another line may not share (a device), try the
-    next candidates that can run here (MAX_TRIES in all) and keep the first that runs. Says the cause of each failure
-    and the override that fixes it (tools/launch/check_advice.py). Returns the line that ran, False when none did, True
+    next candidates that can run here, the lines that name the CPU first, then the failed line with the override that
+    fixes it (its device setting = "cpu"), MAX_TRIES checks in all, and keep the first that runs. Says the cause of
+    each failure and its fix (tools/launch/check_advice.py). Returns the line that ran, False when none did, True
     when no check could run (said so)."""
     from trainbridge.tools.launch.check_advice import advise
 
     target = root / TOML_NAME
+    queue: list[tuple[LaunchCandidate, dict | None]] = [(c, None) for c in [chosen, *(c for c in found.candidates if c is not chosen)]]
     tried: list[LaunchCandidate] = []
-    for candidate in [chosen, *(c for c in found.candidates if c is not chosen)]:
-        if len(tried) == MAX_TRIES:
-            break
+    fixed = False
+    while queue and len(tried) < MAX_TRIES:
+        candidate, overrides = queue.pop(0)
         if tried:
-            if launch_refused(root, candidate):
+            if overrides is None and launch_refused(root, candidate):
                 continue
-            _say(f"trying the next launch line: {candidate.launch}")
-            target.write_text(render_toml(found, candidate), encoding="utf-8")
+            settings = ", ".join(f"{key} = {value!r}" for key, (value, _) in (overrides or {}).items())
+            _say(f"trying {f'it with {settings}' if overrides else 'the next launch line'}: {candidate.launch}")
+            target.write_text(render_toml(found, candidate, overrides=overrides), encoding="utf-8")
         tried.append(candidate)
         result = check_once(root)
         if result is None:
             return True
         if result.ok:
-            if candidate is not chosen:
-                _say(f"wrote {target} with launch = {candidate.launch!r}: it runs here, {chosen.launch!r} did not")
+            if len(tried) > 1:
+                _say(f"wrote {target} with launch = {candidate.launch!r}{' and that override' if overrides else ''}: it runs "
+                     f"here; {chosen.launch!r} as found did not")
             return candidate
         advice = advise(result.failure, found)
         _say(f"cause: {advice.cause}" + (f"; fix: {advice.fix}" if advice.fix else ""))
         if not advice.line_specific:
             break
+        if advice.override and not fixed:  # the same line with the fix, after the lines that name the CPU
+            fixed = True
+            cpu = [item for item in queue if item[0].device == "cpu"]
+            queue = cpu + [(candidate, {k: (v, f"init: {advice.cause}") for k, v in advice.override.items()})] + \
+                [item for item in queue if item not in cpu]
     if len(tried) > 1:
         target.write_text(render_toml(found, chosen), encoding="utf-8")
         _say(f"no launch line ran here ({len(tried)} tried); {target} keeps launch = {chosen.launch!r}: apply the fix above")

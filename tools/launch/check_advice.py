@@ -32,6 +32,7 @@ class Advice:
     cause: str
     fix: str
     line_specific: bool  # another launch line may run where this one did not (a device); not for missing data
+    override: dict[str, str] | None = None  # the [overrides] entry that fixes it, when one does (device -> "cpu")
 
 
 def advise(failure: Failure, found: Discovery) -> Advice:
@@ -39,8 +40,10 @@ def advise(failure: Failure, found: Discovery) -> Advice:
     text = "\n".join(filter(None, (failure.message, failure.traceback_tail)))
     device = _NO_CUDA.search(text)
     if device:
+        setting = _device_setting(found)
         return Advice(cause=f"it asked for a CUDA device and this host has none ({device.group(0)})",
-                      fix=_device_fix(found), line_specific=True)
+                      fix=_device_fix(setting), line_specific=True,
+                      override={setting.key or setting.name: "cpu"} if setting is not None else None)
     missing = _MISSING.search(failure.message)
     if missing:
         prepare = _preparation(found)
@@ -70,9 +73,13 @@ def _preparation(found: Discovery) -> str | None:
     return f"python {script}" if script else None
 
 
-def _device_fix(found: Discovery) -> str:
+def _device_setting(found: Discovery) -> Setting | None:
+    """The script's device setting (`device = 'cuda'`, `--device`), if it has one."""
+    return next((s for s in found.settings if s.name in _DEVICE_NAMES), None)
+
+
+def _device_fix(setting: Setting | None) -> str:
     """The override that puts the script on the CPU: its device setting set to "cpu"."""
-    setting = next((s for s in found.settings if s.name in _DEVICE_NAMES), None)
     if setting is None:
         return ("the script picks CUDA without a setting to change it (a hard-coded .cuda() or 'cuda'): run it where "
                 "CUDA is, or give trainbridge its CPU line (`trainbridge measure <repo> -- python <script> ...`)")

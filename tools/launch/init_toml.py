@@ -58,7 +58,9 @@ def toml_value(value) -> str:
     return json.dumps(value)  # a TOML basic string is a JSON string
 
 
-def render_toml(found: Discovery, chosen: LaunchCandidate, *, today: date | None = None) -> str:
+def render_toml(found: Discovery, chosen: LaunchCandidate, *, today: date | None = None,
+                overrides: dict[str, tuple[str, str]] | None = None) -> str:
+    """The commented file; `overrides` (key -> (value, why)) are written active under [overrides], before the hints."""
     evidence = chosen.evidence[0]
     lines = [
         f"# trainbridge.toml, written by `trainbridge init` on {(today or date.today()).isoformat()} from what it",
@@ -90,21 +92,23 @@ def render_toml(found: Discovery, chosen: LaunchCandidate, *, today: date | None
     if found.data_missing:
         lines += ["# Named by the script, ignored by git, but nowhere in the repository yet (outputs, or data not",
                   f"# prepared yet; add them once they exist): {', '.join(found.data_missing)}", ""]
-    lines += _override_hints(found)
+    lines += _override_hints(found, overrides or {})
     text = "\n".join(lines).rstrip("\n") + "\n"
     tomllib.loads(text)  # a bug here must not leave an unreadable file behind
     return text
 
 
-def _override_hints(found: Discovery) -> list[str]:
+def _override_hints(found: Discovery, active: dict[str, tuple[str, str]]) -> list[str]:
+    table = ["[overrides]"] + [f"{_bare_or_quoted(key)} = {toml_value(value)}   # {why}" for key, (value, why) in active.items()]
     if not found.settings:
-        return ["# [overrides]   # settings of the script to shrink a run; none were found to suggest"]
+        return table if active else ["# [overrides]   # settings of the script to shrink a run; none were found to suggest"]
     lines = ["# To shrink a run for this machine without editing the script, uncomment what you need",
              "# under [overrides]; the values shown are the script's current defaults. It takes settings by:"]
     lines += [f"#   {how}" for how in found.configurable_by or ["module-level constants"]]
-    lines.append("# [overrides]")
-    width = max(len(toml_key(s)) for s in found.settings[:MAX_OVERRIDE_HINTS])
-    for setting in found.settings[:MAX_OVERRIDE_HINTS]:
+    lines += table if active else ["# [overrides]"]
+    hints = [s for s in found.settings[:MAX_OVERRIDE_HINTS] if (s.key or s.name) not in active]
+    width = max((len(toml_key(s)) for s in hints), default=0)
+    for setting in hints:
         lines.append(_hint(setting, width))
     if len(found.settings) > MAX_OVERRIDE_HINTS:
         lines.append(f"# ... and {len(found.settings) - MAX_OVERRIDE_HINTS} more settings")
@@ -113,7 +117,10 @@ def _override_hints(found: Discovery) -> list[str]:
 
 def toml_key(setting: Setting) -> str:
     """The [overrides] key as TOML writes it: bare for a name, quoted for `Cls.field`, `--flag`, `Cls(kw)`."""
-    key = setting.key or setting.name
+    return _bare_or_quoted(setting.key or setting.name)
+
+
+def _bare_or_quoted(key: str) -> str:
     return key if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key) else json.dumps(key)
 
 
