@@ -59,14 +59,17 @@ def export_branch(repo: Path, branch: str, dest: Path) -> Path:
 
 
 def run_loop(repo: Path, run_id: str, home: Path, *, budget_s: float, max_candidates: int, gate_rounds: int,
-             compile_reference: bool = True, say: Say = print) -> dict[str, Any]:
-    """Run `trainbridge run` on `repo` (runs kept under `home`); returns its wall time, exit code and final state."""
-    argv = [sys.executable, "-m", "trainbridge", "run", str(repo), "--target", "cpu", "--budget", f"{budget_s:g}",
+             compile_reference: bool = True, say: Say = print, target: str = "cpu",
+             extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Run `trainbridge run` on `repo` (runs kept under `home`); returns its wall time, exit code and final state.
+    `extra_args`: more of the command's options (e.g. `--category rmsnorm`)."""
+    argv = [sys.executable, "-m", "trainbridge", "run", str(repo), "--target", target, "--budget", f"{budget_s:g}",
             "--max-candidates", str(max_candidates), "--rounds", str(gate_rounds), "--run-id", run_id,
             "--kb-dir", str(home / "kb"),
             "--final-rounds", "0"]  # the speedup section measures the branch itself, interleaved with compile
     if not compile_reference:
         argv.append("--no-reference")
+    argv += list(extra_args)
     env = {**os.environ, "TRAINBRIDGE_HOME": str(home), "COLUMNS": "160"}
     started = time.monotonic()
     tail: deque[str] = deque(maxlen=40)

@@ -281,6 +281,7 @@ def test_every_example_trains_on_device_npu_under_emulation_like_on_the_cpu(exam
     assert on_npu.versions["torch_npu_mode"] == "emulated" and "torch_npu" not in on_cpu.versions
     assert len(on_npu.losses) == 2 and all(math.isfinite(v) for v in on_npu.losses)
     assert on_npu.losses == pytest.approx(on_cpu.losses, rel=1e-5, abs=1e-6)  # npu mapped onto the CPU: the same math
+    assert on_npu.kernels_per_step > 50 and on_cpu.kernels_per_step is None  # counted on the emulated device only
 
 
 # --- torch.compile(backend="npu"): TorchAir or silent eager ------------------------------------------
