@@ -59,7 +59,7 @@ def _read(rel: str, frames: list[LibraryFrame], notes: list[str]) -> str | None:
         notes.append(f"library file {rel} not scanned: {exc}")
         return None
     if source.count("\n") > MAX_LINES:
-        notes.append(f"library file {rel} not scanned: over {MAX_LINES} lines")
+        notes.append(f"library file {rel} not scanned: over {MAX_LINES} lines (the advisor's rules still read its ops)")
         return None
     return source
 
