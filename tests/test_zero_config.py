@@ -216,3 +216,23 @@ def test_init_follows_a_trainer_object_into_the_repositorys_package_and_the_chec
 
     assert tomllib.loads((user / "trainbridge.toml").read_text()) == {"launch": "python projects/chargpt/chargpt.py",
                                                                        "pythonpath": ["."]}
+
+
+def test_a_shown_file_the_script_writes_is_copied_on_write_and_the_checkouts_copy_stays(tmp_path):
+    script = ('import torch\n\nwith open("notes.txt", "a") as f:\n    f.write("appended\\n")\nprint("NOTES", open("notes.txt").read().split())\n'
+              'model = torch.nn.Linear(2, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\nfor step in range(100):\n'
+              '    loss = model(torch.ones(2)).sum()\n    loss.backward()\n    opt.step()\n'
+              '    if step == 1:\n        torch.save(model.state_dict(), "ckpt.pt")\n')
+    user = write(tmp_path / "user", {"train.py": script, ".gitignore": "*.pt\n"})
+    from trainbridge.tests.zero_config_repos import commit_all
+
+    commit_all(user)
+    write(user, {"notes.txt": "kept\n"})  # untracked
+    (user / "ckpt.pt").write_bytes(b"stale checkpoint of an earlier run")  # git-ignored, at the root: shown
+    before = files_of(user)
+    wt = worktree(user, tmp_path)
+    result = run_workload(workload_for_launch(wt, "python train.py").with_overrides(steps=3, warmup_steps=0))
+    assert result.ok, (result.failure, result.stderr_tail[-2000:])
+    assert sorted(result.extra["script"]["data_shown"]) == ["ckpt.pt", "notes.txt"]
+    assert "NOTES ['kept', 'appended']" in result.stdout_tail  # its own copy, with the old content it appended to
+    assert files_of(user) == before and result.extra["script"]["data_changed"] == []

@@ -35,15 +35,44 @@ _PATH_EVENTS = {"os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.re
                 "shutil.rmtree": (0,), "os.mkdir": (0,), "os.symlink": (1,), "os.link": (1,), "os.chmod": (0,), "os.utime": (0,)}
 
 
-def install_write_guard(protected: list[str]) -> None:
-    """Refuse writes under `protected` (realpaths: a symlink into them counts) with a message saying where to write."""
+def install_write_guard(protected: list[str], replaceable: list[str] | None = None) -> None:
+    """Refuse writes under `protected` (realpaths: a symlink into them counts) with a message saying where to write.
+    A file of `replaceable` (the checkout's files outside git that the run shows by itself, sandbox/script/ignored.py:
+    perhaps a stale output of an earlier run) opened for writing through its link in the scratch mirror is copied on
+    write instead: the link is replaced by the script's own file in scratch (with the old content when it appends or
+    updates), and the checkout's file stays as it was."""
     roots = [os.path.realpath(p) for p in protected]
+    sources = [os.path.realpath(p) for p in replaceable or []]
+    busy: list[bool] = []
+
+    def under(real: str, bases: list[str]) -> str | None:
+        return next((base for base in bases if real == base or real.startswith(base + os.sep)), None)
 
     def inside(path: Any) -> str | None:
         if path is None or isinstance(path, int):
             return None
-        real = os.path.realpath(os.fsdecode(os.fspath(path)))
-        return next((root for root in roots if real == root or real.startswith(root + os.sep)), None)
+        return under(os.path.realpath(os.fsdecode(os.fspath(path))), roots)
+
+    def copy_on_write(path: Any, mode: Any, flags: Any) -> bool:
+        """Replace the mirror's link `path` to a replaceable file by a file of the script's own; True when done."""
+        if not sources or path is None or isinstance(path, int):
+            return False
+        name = os.path.abspath(os.fsdecode(os.fspath(path)))
+        if not os.path.islink(name) or inside(os.path.dirname(name)) or not under(os.path.realpath(name), sources):
+            return False
+        keep = (isinstance(mode, str) and ("a" in mode or "+" in mode) and "w" not in mode) or (
+            isinstance(flags, int) and not flags & os.O_TRUNC and not isinstance(mode, str))
+        real = os.path.realpath(name)
+        busy.append(True)
+        try:
+            os.unlink(name)
+            if keep and os.path.isfile(real):
+                import shutil
+
+                shutil.copyfile(real, name)
+        finally:
+            busy.pop()
+        return True
 
     def refuse(path: Any, root: str, what: str) -> None:
         raise PermissionError(f"TrainBridge keeps {root} read-only: the script tried to {what} {os.fsdecode(os.fspath(path))!r}. "
@@ -51,10 +80,12 @@ def install_write_guard(protected: list[str]) -> None:
                               "data it reads is listed in data = [...] of trainbridge.toml")
 
     def hook(event: str, args: tuple) -> None:
+        if busy:
+            return
         if event == "open":
             path, mode, flags = (tuple(args) + (None, None))[:3]
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (isinstance(flags, int) and flags & _WRITE_FLAGS)
-            if writing:
+            if writing and not copy_on_write(path, mode, flags):
                 root = inside(path)
                 if root:
                     refuse(path, root, "write")
@@ -66,6 +97,24 @@ def install_write_guard(protected: list[str]) -> None:
                         refuse(args[position], root, f"change ({event})")
 
     sys.addaudithook(hook)
+
+
+def guard_torch_save() -> None:
+    """torch.save(obj, path) writes through C++, unseen by Python's audit hooks: announce its path as an `open` for
+    writing first, so the write guard refuses it under the worktree or the checkout, or copies a shown file on write."""
+    import functools
+
+    import torch
+
+    original = torch.save
+
+    @functools.wraps(original)
+    def save(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)):
+            sys.audit("open", os.fspath(f), "wb", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        return original(obj, f, *args, **kwargs)
+
+    torch.save = save
 
 
 def failure_record(kind: str, message: str, exc: BaseException | None = None, step: int | None = None) -> dict[str, Any]:
@@ -208,7 +257,8 @@ def execute(channel) -> None:
         backend.prepare()
         root = Path(request["root"])
         spec = request["launch"]
-        install_write_guard(request.get("protected", []))
+        install_write_guard(request.get("protected", []), request.get("replaceable", []))
+        guard_torch_save()
         plan = OverridePlan.from_overrides(request.get("overrides", {}))
         install(root, plan)
         script_dir = str((root / spec["script"]).parent) if spec.get("script") else os.getcwd()

@@ -67,6 +67,7 @@ def prepare(workload: Workload, *, backend: str, mode: str, tmp_dir: Path, extra
     request = {"mode": mode, "root": str(workload.root), "launch": spec.to_json(), "overrides": config.overrides,
                "pythonpath": config.pythonpath, "backend": backend, "seed": config.seed, "threads": config.threads,
                "protected": [str(p) for p in run_dir.protected],
+               "replaceable": [str(p) for p in run_dir.shown.values()],  # copied on write (sandbox/script/launcher.py)
                # the printed loss: the fallback when backward() saw no scalar, the source when the toml sets its own pattern
                "loss_pattern": config.loss_pattern, "loss_pattern_preferred": config.loss_pattern != DEFAULT_LOSS_PATTERN,
                **(extra_request or {})}
