@@ -9,8 +9,8 @@ entry) is an input, except what a training program writes or what is no input of
 - hidden entries (``.venv/``, ``.env``, ``.cache/``, ``.ipynb_checkpoints/``): environments, secrets, caches;
 - folders named like outputs, caches or environments (``out/``, ``out-shakespeare-char/``, ``outputs/``,
   ``checkpoints/``, ``logs/``, ``runs/``, ``wandb/``, ``lightning_logs/``, ``__pycache__/``, ``venv/``,
-  ``build/``, ``*.egg-info/`` ...): what the script writes, so a stale copy must not stand in the way of the
-  new one (a write to a file shown from the checkout is refused);
+  ``build/``, ``*.egg-info/`` ...): what the script writes, not what it reads (a stale output that is shown
+  anyway is copied on write: the script's write lands in scratch, sandbox/script/launcher.py);
 - compiled bytecode and logs (``*.pyc``, ``*.log``).
 
 Untracked files git does not ignore (``input.txt`` downloaded beside a script, as minGPT's chargpt reads it) are
