@@ -10,7 +10,8 @@ device guard) and gives it kernels written in Python:
 - PrivateUse1 kernels for what reaches the backend without a wrapper argument: empty.memory_format,
   empty_strided (factories, `.to("npu")`, C++ allocations such as DDP's buckets) and _copy_from /
   _copy_from_and_resize (host <-> device copies). So `x.npu()` and `x.to("npu")` COPY: mutating
-  the device tensor leaves the host tensor unchanged, as on an NPU;
+  the device tensor leaves the host tensor unchanged, as on an NPU; arange and eye are made on the host
+  and wrapped (PyTorch builds them by resizing an empty tensor, which a wrapper's size cannot follow);
 - the device check of a real backend: an op that mixes a device tensor with a host tensor (other
   than a 0-dim host scalar, and other than index tensors and cross-device copies) raises
   RuntimeError "Expected all tensors to be on the same device, but found at least two devices,
@@ -19,6 +20,8 @@ device guard) and gives it kernels written in Python:
   stream (torch.npu.manual_seed / get_rng_state), never from the host generator;
 - c10d collectives on device tensors run on their host values (gloo), so DDP(model,
   device_ids=[local_rank]) works on an emulated-npu module.
+A program's own torch.compile traces on device tensors and runs the captured graph on the device
+(_device_compile).
 Known deviation: every process's device tensors report npu:0, whatever torch.npu.set_device chose
 (one device per process is all the hook's autograd support allows; see _npu_device).
 Autocast for device_type "npu" is emulated with CPU autocast's op lists (see _device_autocast).
@@ -30,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import _kernel_count
+from . import _device_compile, _kernel_count
 from ._checks import same_device_message
 
 _installed = False
@@ -40,11 +43,13 @@ _lib: torch.library.Library | None = None
 _aten = torch.ops.aten
 _MIXED_OK = {
     _aten.copy_.default, _aten._to_copy.default, _aten._copy_from.default, _aten._copy_from_and_resize.default,
+    _aten.copy.default,  # copy_'s functional form, in graphs AOTAutograd traces
     _aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default, _aten._index_put_impl_.default,
     _aten.set_.source_Tensor, _aten.lift_fresh.default,
 }
 # host <-> device transfers: memory copies, not kernels (_kernel_count)
-_COPIES = {_aten.copy_.default, _aten._to_copy.default, _aten._copy_from.default, _aten._copy_from_and_resize.default}
+_COPIES = {_aten.copy_.default, _aten._to_copy.default, _aten._copy_from.default, _aten._copy_from_and_resize.default,
+           _aten.copy.default}
 # stream bookkeeping: the emulated device has one synchronous stream
 _NO_OPS = {_aten.record_stream.default}
 
@@ -63,10 +68,11 @@ class NpuTensor(torch.Tensor):
     _host: torch.Tensor
 
     @staticmethod
-    def __new__(cls, host: torch.Tensor, device: torch.device | None = None):
+    def __new__(cls, host: torch.Tensor, device: torch.device | None = None, size=None, stride=None):
         t = torch.Tensor._make_wrapper_subclass(
-            cls, host.size(), strides=host.stride(), storage_offset=host.storage_offset(), dtype=host.dtype,
-            layout=host.layout, device=device or _npu_device(), requires_grad=False,
+            cls, host.size() if size is None else size, strides=host.stride() if stride is None else stride,
+            storage_offset=host.storage_offset(), dtype=host.dtype, layout=host.layout,
+            device=device or _npu_device(), requires_grad=False,
         )
         t._host = host
         return t
@@ -80,7 +86,8 @@ class NpuTensor(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
-        return NpuTensor(inner_tensors["_host"], meta[0])
+        # a compiler's trace gives the outer size and stride (symbolic under dynamic shapes): keep them
+        return NpuTensor(inner_tensors["_host"], meta[0], outer_size, outer_stride)
 
     def __repr__(self, *, tensor_contents=None):
         text = repr(self._host)
@@ -90,6 +97,9 @@ class NpuTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol):  # torch.save / deepcopy of a device tensor: rebuilt on the device
         return (_rebuild, (self._host.detach().clone(), self.device.index or 0, self.requires_grad))
+
+    def tolist(self):  # a host read, as on an NPU (PyTorch refuses .tolist() on a tensor subclass)
+        return self.cpu().tolist()
 
     def numpy(self, *args, **kwargs):
         raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to copy the "
@@ -102,24 +112,34 @@ class NpuTensor(torch.Tensor):
             return None
         flat, _ = tree_flatten((args, kwargs))
         device = next(a.device for a in flat if isinstance(a, NpuTensor))
-        host_tensors = any(isinstance(a, torch.Tensor) and not isinstance(a, NpuTensor) and a.dim() > 0
-                           and a.device.type != "meta" for a in flat)
+        # under a compiler's trace, a device tensor made by the traced code is a fake/functional tensor on
+        # npu, not an NpuTensor: a device tensor all the same (_device_compile)
+        traced = [a for a in flat if _device_compile.traced_device_tensor(a, NpuTensor)]
+        host_tensors = any(_is_host_tensor(a) for a in flat)
         if func not in _MIXED_OK and host_tensors:
-            a = next(a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, NpuTensor) and a.dim() > 0
-                     and a.device.type != "meta")
+            a = next(a for a in flat if _is_host_tensor(a))
             raise RuntimeError(same_device_message(device, a.device))
+        counted = not _device_compile.tracing(next(a._host for a in flat if isinstance(a, NpuTensor)))
         if func is _aten._to_copy.default:
             target = kwargs.get("device")
             if target is not None and torch.device(target).type != "npu":
-                _kernel_count.dispatched(func, crosses_host=True)
-                return func(args[0]._host, **kwargs)
-        _kernel_count.dispatched(func, crosses_host=host_tensors and func in _COPIES)
+                if counted:
+                    _kernel_count.dispatched(func, crosses_host=True)
+                return func(host_of(args[0]), **kwargs)
+        if counted:
+            _kernel_count.dispatched(func, crosses_host=host_tensors and func in _COPIES)
         by_id = {}
+        written = []
 
         def unwrap(a):
             if isinstance(a, NpuTensor):
                 by_id[id(a._host)] = a
                 return a._host
+            if traced and any(a is t for t in traced):
+                host = _device_compile.to_host(a)
+                by_id[id(host)] = a
+                written.append((a, host))
+                return host
             if isinstance(a, torch.device) and a.type == "npu":
                 return torch.device("cpu")
             return a
@@ -129,6 +149,8 @@ class NpuTensor(torch.Tensor):
             out = _on_device_stream(func, host_args, host_kwargs)
         else:
             out = func(*host_args, **host_kwargs)
+        if written and func._schema.is_mutable:  # an in-place op on a traced device tensor: write it back
+            _device_compile.write_back(func, args, kwargs, written)
 
         def wrap(o):
             if isinstance(o, torch.Tensor) and not isinstance(o, NpuTensor):
@@ -144,6 +166,12 @@ class NpuTensor(torch.Tensor):
             return o
 
         return tree_map(wrap, out)
+
+
+def _is_host_tensor(a) -> bool:
+    """A host tensor for the device check: not a device tensor, not a 0-dim scalar, not meta."""
+    return isinstance(a, torch.Tensor) and not isinstance(a, NpuTensor) and a.dim() > 0 \
+        and a.device.type not in ("meta", "npu")
 
 
 def _on_device_stream(func, args, kwargs):
@@ -208,12 +236,28 @@ def _copy_from_and_resize(self, dst):
     return dst
 
 
+def _host_factory(op):
+    """A factory that PyTorch builds as `empty({0})` plus an out= op resizing it (arange, eye): a wrapper's
+    size cannot follow its host tensor's resize, so the device tensor is made from the host result."""
+    def factory(*args, device=None, **kwargs):
+        _kernel_count.dispatched(op, crosses_host=False)
+        return NpuTensor(op(*args, device="cpu", **kwargs), _npu_device(_device_index(device)))
+
+    return factory
+
+
+_HOST_FACTORIES = ("arange", "arange.start", "arange.start_step", "eye", "eye.m")
+
+
 def _register_kernels() -> None:
     global _lib
     _lib = torch.library.Library("aten", "IMPL")
     for name, fn in (("empty.memory_format", _empty), ("empty_strided", _empty_strided),
                      ("_copy_from", _copy_from), ("_copy_from_and_resize", _copy_from_and_resize)):
         _lib.impl(name, fn, "PrivateUse1")
+    for name in _HOST_FACTORIES:
+        packet, _, overload = name.partition(".")
+        _lib.impl(name, _host_factory(getattr(getattr(_aten, packet), overload or "default")), "PrivateUse1")
 
 
 def install(npu_module) -> None:
@@ -237,4 +281,5 @@ def install(npu_module) -> None:
     patch_pin_memory()
     install_autocast()
     install_collectives()
+    _device_compile.install()
     _installed = True
