@@ -319,10 +319,19 @@ def test_cuda_version_checks_nvidia_smi_and_fused_optimizers_are_reported_at_the
             "sgd = torch.optim.SGD(params, lr=0.1, fused=False)\nlabel = 'nvidia smi is not called here'\n")
     result = port(code)
     assert [(s.line, s.category, s.blocking) for s in result.skipped] == [
-        (4, SkipCategory.cuda_api, False), (5, SkipCategory.cuda_api, True), (6, SkipCategory.cuda_api, True),
-        (7, SkipCategory.cuda_api, True)]
-    assert "npu-smi info" in result.skipped[1].reason and "NpuFusedAdamW" in result.skipped[3].reason
+        (4, SkipCategory.cuda_api, False), (5, SkipCategory.cuda_api, True), (6, SkipCategory.cuda_api, True)]
+    assert "npu-smi info" in result.skipped[1].reason
     assert "None with an NPU build" in result.skipped[0].reason
+    # fused=True (CUDA's fused kernels) becomes foreach=True: the same update on any device; fused=False stays
+    assert "opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)\n" in result.source
+    assert "sgd = torch.optim.SGD(params, lr=0.1, fused=False)\n" in result.source
+    assert [(c.line, c.kind, c.after) for c in result.changes if c.kind == ChangeKind.fused_optimizer] == [
+        (7, ChangeKind.fused_optimizer, "foreach=True")]
+
+
+def test_fused_true_beside_foreach_becomes_fused_false():
+    result = port("import torch\nopt = torch.optim.Adam(ps, foreach=True, fused=True)\n")
+    assert "opt = torch.optim.Adam(ps, foreach=True, fused=False)\n" in result.source and not result.skipped
 
 
 def test_unparsable_file_is_left_and_reported():

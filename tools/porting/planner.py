@@ -289,7 +289,7 @@ class Planner(cst.CSTVisitor):
         elif any(q.startswith("torch.optim.") for q in qnames) and any(
                 a.keyword is not None and a.keyword.value == "fused" and isinstance(a.value, cst.Name) and a.value.value == "True"
                 for a in node.args):
-            self._skip(node, SkipCategory.cuda_api, surface.FUSED_OPTIMIZER_REASON)
+            self._fused_optimizer(node)
         elif qnames & {"torch.utils.cpp_extension.load", "torch.utils.cpp_extension.load_inline"}:
             self._check_extension(node)
         elif "torch.utils.cpp_extension.CUDAExtension" in qnames:
@@ -308,6 +308,19 @@ class Planner(cst.CSTVisitor):
             self.plan.attrs[id(func)] = "npu"
             before = self._code(func)
             self._change(node, ChangeKind.to_npu_method, before + "(...)", before[: -len("cuda")] + "npu(...)")
+
+    def _fused_optimizer(self, node: cst.Call) -> None:
+        """`fused=True` asks for the CUDA fused kernels: the port makes it `foreach=True` (multi-tensor updates, the same
+        math on any device; `fused=False` where the call already says foreach), and the loop's recipes take it to
+        torch_npu's NpuFused* optimizers with their numerics checked."""
+        has_foreach = any(a.keyword is not None and a.keyword.value == "foreach" for a in node.args)
+        for arg in node.args:
+            if arg.keyword is not None and arg.keyword.value == "fused":
+                after = arg.with_changes(value=cst.Name("False")) if has_foreach else \
+                    arg.with_changes(keyword=cst.Name("foreach"))
+                self.plan.exprs[id(arg)] = after
+                self._change(node, ChangeKind.fused_optimizer, self._code(arg).strip().rstrip(","),
+                             "fused=False" if has_foreach else "foreach=True")
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         for decorator in node.decorators:

@@ -17,6 +17,7 @@ class ChangeKind(StrEnum):
     device_module = "device_module"  # torch.cuda.X -> torch.npu.X (amp included)
     import_rewrite = "import_rewrite"  # from torch.cuda[.amp] import X -> from torch_npu.npu[.amp] import X
     import_torch_npu = "import_torch_npu"  # `import torch_npu` added
+    fused_optimizer = "fused_optimizer"  # torch.optim.X(..., fused=True) -> foreach=True (the NPU's own fused ones: recipes)
 
 
 class SkipCategory(StrEnum):
