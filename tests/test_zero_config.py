@@ -5,6 +5,7 @@ temporary git repositories; real sandbox children."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -88,9 +89,19 @@ def test_a_nanogpt_style_run_in_a_worktree_reads_the_ignored_data_without_a_toml
     before = files_of(user)
     wt = worktree(user, tmp_path)
     assert not (wt / "trainbridge.toml").exists() and not (wt / "data" / "shakespeare_char" / "train.bin").exists()
-    result = run_workload(workload_for_launch(wt, CPU_LINE).with_overrides(steps=2, warmup_steps=1))
-    assert result.ok, (result.failure, result.stderr_tail[-2000:])
-    script = result.extra["script"]
+    from typer.testing import CliRunner
+
+    from trainbridge.graph.cli.app import build_app
+
+    out = tmp_path / "measure.json"
+    shown = CliRunner().invoke(build_app(), ["measure", str(wt), "--steps", "2", "--warmup", "1", "--json", str(out), "--",
+                                             *CPU_LINE.split()], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    assert re.search(r"shown read-only +│ +data/shakespeare_char/meta.pkl, data/shakespeare_char/train.bin, "
+                     r"data/shakespeare_char/val.bin │", shown.output), shown.output
+    import json
+
+    script = json.loads(out.read_text())["extra"]["script"]
     assert script["data"] == {} and script["data_shown"] == [f"data/shakespeare_char/{n}" for n in ("meta.pkl", "train.bin", "val.bin")]
     assert set(script["data_skipped"]) == {".venv/", "out-shakespeare-char/"} and script["data_changed"] == []
     assert files_of(user) == before and git(wt, "status", "--porcelain") == ""
