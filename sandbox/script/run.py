@@ -75,8 +75,10 @@ def prepare(workload: Workload, *, backend: str, mode: str, tmp_dir: Path, extra
 
 
 def _read_only_sources(run_dir: RunDir) -> list[Path]:
-    """The checkout's files the run shows (data entries and git-ignored inputs), compared before and after it."""
-    return [*run_dir.data_sources.values(), *run_dir.shown.values()]
+    """The data entries' files, compared before and after the run. The files it shows by itself from outside git are
+    not: like the rest of the checkout they are kept by the write guard and the sandbox's read-only view, and you may
+    go on working in your checkout (an untracked note edited during an overnight run must not fail a gate round)."""
+    return list(run_dir.data_sources.values())
 
 
 def launch_problem(workload: Workload) -> str | None:
