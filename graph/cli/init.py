@@ -1,5 +1,7 @@
 """`trainbridge init <repo>`: find the training script and its launch line, say what was found and
-why, write a commented `trainbridge.toml`, then try one short measurement.
+why, write a commented `trainbridge.toml`, then prove it with one short measurement: on a failure, say
+the cause and its fix (tools/launch/check_advice.py) and try the next lines that can run here, then
+the line with the override that fixes its device (`prove`), keeping the first that runs.
 
 Script mode (running `launch`) is not in every version: until the workload loader knows the
 `launch` key, init writes the file and says "written; run `trainbridge measure <repo>` to check it"

@@ -9,7 +9,9 @@
 Evidence, strongest first: a command in a README's shell code block, in a shell script, in inline
 code of a markdown file; then a Python file that runs as a script (an `if __name__ == "__main__"`
 block or module-level code), builds an optimizer and calls `.backward()` (itself, or in a module of
-the repository it imports, such as an engine.py), with no launch line written anywhere. A line only counts when its script is in the repository and trains; a script that
+the repository it imports, such as an engine.py; or it calls into a module of the repository that does
+both, such as a Trainer object whose run() trains), with no launch line written anywhere. Without CUDA on
+the host, a line naming the CPU (`--device=cpu`) goes before the lines of its score. A line only counts when its script is in the repository and trains; a script that
 runs but never steps an optimizer (it evaluates, samples, prepares data) is a near miss, reported
 with what it lacks. Everything is read from files (markdown, shell, Python through `ast`): nothing
 of the repository runs here.
