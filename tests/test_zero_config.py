@@ -247,3 +247,24 @@ def test_a_shown_file_the_script_writes_is_copied_on_write_and_the_checkouts_cop
     assert sorted(result.extra["script"]["data_shown"]) == ["ckpt.pt", "notes.txt"]
     assert "NOTES ['kept', 'appended']" in result.stdout_tail  # its own copy, with the old content it appended to
     assert files_of(user) == before and result.extra["script"]["data_changed"] == []
+
+
+@pytest.mark.parametrize(("message", "tail", "cause", "fix", "line_specific"), [
+    ("the script needs a file that is missing: 'input.txt': your checkout has projects/chargpt/input.txt, but the script "
+     "looks for it relative to its working directory", None,
+     "it opens input.txt relative to its working directory, the repository's root here; your checkout has it at "
+     "projects/chargpt/input.txt", "put a copy or a link of projects/chargpt/input.txt at input.txt in your checkout", True),
+    ("RuntimeError: Found no NVIDIA driver on your system.", None, "it asked for a CUDA device and this host has none",
+     '"--device" = "cpu" (argparse option', True),
+    ("ValueError: bad shape", "Traceback ...\nValueError: bad shape", "exception: ValueError: bad shape", "", True),
+])
+def test_advice_names_the_cause_and_the_fix(message, tail, cause, fix, line_specific):
+    from trainbridge.sandbox.results import Failure
+    from trainbridge.tools.launch.check_advice import advise
+    from trainbridge.tools.launch.discovery import Discovery, Setting
+
+    found = Discovery(repo="/r", candidates=[], settings=[Setting(name="device", value="'cuda'", kind="argparse option",
+                                                                  where="train.py:12", key="--device")])
+    advice = advise(Failure(kind="exception", message=message, traceback_tail=tail), found)
+    assert advice.cause.startswith(cause) and fix in advice.fix and advice.line_specific == line_specific, advice
+    assert (advice.override == {"--device": "cpu"}) == ("NVIDIA" in message)

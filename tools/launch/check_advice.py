@@ -45,6 +45,13 @@ def advise(failure: Failure, found: Discovery) -> Advice:
                       fix=_device_fix(setting), line_specific=True,
                       override={setting.key or setting.name: "cpu"} if setting is not None else None)
     missing = _MISSING.search(failure.message)
+    elsewhere = re.search(r"your checkout has ([^,]+?)(?:,| but)", failure.message) if missing else None
+    if missing and elsewhere:  # chargpt's open("input.txt"), written to run from its own folder
+        return Advice(cause=f"it opens {missing.group(1)} relative to its working directory, the repository's root here; "
+                            f"your checkout has it at {elsewhere.group(1)}",
+                      fix=f"put a copy or a link of {elsewhere.group(1)} at {missing.group(1)} in your checkout (runs show it "
+                          "read-only), or make the path a setting of the script and set it under [overrides]",
+                      line_specific=True)
     if missing:
         prepare = _preparation(found)
         how = (f"run the repository's data preparation first ({prepare}, in your checkout), "
