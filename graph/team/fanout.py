@@ -25,11 +25,13 @@ from langgraph.types import Send
 from trainbridge.agents.coder.attempts import coder_turn
 from trainbridge.agents.coder.candidate import Candidate
 from trainbridge.agents.retrieval.choose import choose_intent
+from trainbridge.agents.retrieval.sites import tried_key
 from trainbridge.graph import npu_pending
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.detached_views import detached_view
 from trainbridge.graph.team.gate_jobs import GateJob
-from trainbridge.graph.nodes import PARTS_KEY, failure_tail, gate_summary, learn_recipe, record_outcome, verdict_line, verdict_record
+from trainbridge.graph.nodes import (PARTS_KEY, failure_tail, gate_summary, learn_recipe, record_outcome, tried_sites, verdict_line,
+                                    verdict_record)
 from trainbridge.graph.team.rebase import carry_forward
 from trainbridge.graph.state import RunState
 from trainbridge.graph.stops import NO_INTENTS, RunStopped, limit_reached
@@ -87,6 +89,8 @@ def batch(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             if choice is None:
                 break
             tried = {v.get("recipe_id") for v in verdicts + refusals if v.get("intent_id") == choice.intent.id}
+            site = ((state.get("intent_evidence") or {}).get(choice.intent.id) or {}).get("site")  # its code, judged before?
+            tried |= {r for r in choice.queue if site and tried_key(r, site) in set(state.get("tried_sites") or [])}
             lanes = [{"intent": choice.data, "queue": [r for r in choice.queue if r not in tried]}]
         lane = lanes.pop(0)
         intent = Intent.model_validate(lane["intent"])
@@ -100,7 +104,8 @@ def batch(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         jobs.append(_job(ctx, workspace, turn.candidate, index=len(jobs), head=head,
                          baseline_step_s=state.get("baseline_step_s")).model_dump(mode="json"))
     update: dict[str, Any] = {"node": "batch", "lanes": kept + lanes, "batch": jobs, "batch_head": head,
-                              "gate_results": None, "verdicts": refusals, "done_intents": newly_done}
+                              "gate_results": None, "verdicts": refusals, "done_intents": newly_done,
+                              "tried_sites": tried_sites(state, refusals)}
     if not jobs:
         update["stop_reason"] = state.get("stop_reason") or NO_INTENTS.message
     else:
@@ -210,7 +215,8 @@ def merge(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
                                              "candidate_sha": moved.sha, "candidate_root": moved.worktree,
                                              "baseline_root": str(view), "baseline_sha": head}).model_dump(mode="json"))
     keep = [lane for key, lane in lanes.items() if key not in done]
-    return {"node": "merge", "verdicts": records, "accepted": accepted, "done_intents": done, "low_gain_rounds": low_gain,
+    return {"node": "merge", "verdicts": records, "tried_sites": tried_sites(state, records), "accepted": accepted,
+            "done_intents": done, "low_gain_rounds": low_gain,
             "candidates_tried": (state.get("candidates_tried") or 0) + len(results), "batch": regate, "batch_head": head,
             "landed": bool(accepted),
             "gate_results": None, "lanes": keep, "candidate": None, "verdict": None}
