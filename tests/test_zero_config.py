@@ -268,3 +268,18 @@ def test_advice_names_the_cause_and_the_fix(message, tail, cause, fix, line_spec
     advice = advise(Failure(kind="exception", message=message, traceback_tail=tail), found)
     assert advice.cause.startswith(cause) and fix in advice.fix and advice.line_specific == line_specific, advice
     assert (advice.override == {"--device": "cpu"}) == ("NVIDIA" in message)
+
+
+def test_an_entry_that_cannot_be_placed_beside_the_worktrees_files_is_skipped_with_the_reason(tmp_path, monkeypatch):
+    from trainbridge.sandbox.script import ignored
+
+    user = nanogpt_style(tmp_path / "user")
+    wt = worktree(user, tmp_path)
+    (user / "configurator.py").unlink()  # in the checkout a folder now stands where the commit has a file
+    write(user, {"configurator.py/extra.txt": "x"})
+    listed = ignored.IgnoredInputs(shown=["configurator.py/extra.txt", "data/shakespeare_char/train.bin"])
+    monkeypatch.setattr(ignored, "ignored_inputs", lambda checkout: listed)  # as git might list it mid-change
+    run_dir = make_run_dir(wt, [], tmp_path / "cwd")
+    assert list(run_dir.shown) == ["data/shakespeare_char/train.bin"]
+    assert "could not be shown beside the worktree's files" in run_dir.skipped["configurator.py/extra.txt"]
+    assert (run_dir.cwd / "configurator.py").read_text() == (wt / "configurator.py").read_text()

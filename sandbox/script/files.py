@@ -10,8 +10,8 @@ symlinks:
 - every ``data = [...]`` entry of trainbridge.toml, linked to the user's checkout's copy (a folder
   that also exists in the worktree is merged entry by entry, so tracked files come from the
   worktree and ignored ones from the checkout); nothing is copied, whatever its size;
-- when the run's root is a worktree of the checkout (``trainbridge run``), every other git-ignored entry of
-  the checkout that is an input by its name (sandbox/script/ignored.py: not hidden, not an output, cache or
+- when the run's root is a worktree of the checkout (``trainbridge run``), every other git-ignored or
+  untracked entry of the checkout that is an input by its name (sandbox/script/ignored.py: not hidden, not an output, cache or
   environment folder), shown without hiding anything already there: folders as real folders of links (up to
   SHOWN_ENTRIES entries, then linked whole), so a file the script creates beside its data lands in the scratch
   folder. Zero config: the user lists nothing (`RunDir.shown` says what was shown, `RunDir.skipped` what not);
@@ -44,8 +44,8 @@ class RunDir:
     cwd: Path
     protected: list[Path]
     data_sources: dict[str, Path] = field(default_factory=dict)  # data entry -> where its files come from
-    shown: dict[str, Path] = field(default_factory=dict)  # git-ignored entry shown without a data entry -> its source
-    skipped: dict[str, str] = field(default_factory=dict)  # git-ignored entry left out -> why
+    shown: dict[str, Path] = field(default_factory=dict)  # entry outside git shown without a data entry -> its source
+    skipped: dict[str, str] = field(default_factory=dict)  # entry outside git left out -> why
     notes: list[str] = field(default_factory=list)
     checkout: Path | None = None  # the user's checkout the data comes from
 
@@ -107,10 +107,14 @@ def _show_ignored(run_dir: RunDir, checkout: Path, data: list[str]) -> None:
         if not os.path.lexists(source):
             continue
         parent = run_dir.cwd
-        for part in rel.parts[:-1]:
-            _explode(parent / part)
-            parent = parent / part
-        _overlay(source, parent / rel.name, budget)
+        try:
+            for part in rel.parts[:-1]:
+                _explode(parent / part)
+                parent = parent / part
+            _overlay(source, parent / rel.name, budget)
+        except OSError as exc:  # e.g. the worktree has a file where the checkout has a folder (an uncommitted change)
+            run_dir.skipped[entry] = f"could not be shown beside the worktree's files ({type(exc).__name__}: {exc})"
+            continue
         run_dir.shown[entry] = source
 
 
