@@ -63,6 +63,17 @@ declares the parameters it needs; ``$name`` in a parameter string binds a placeh
 
       {kind: decorate, params: {scope: function}}     # replacement: "torch.compile"
 
+- ``library_patch``: a region that lives in a library (``Intent.library``) is rewritten from the user's
+  repository: the replacement is one function definition (keeping the library function's signature) that a patch
+  module, ``trainbridge_patches.py`` beside the entry script, installs by assignment on the library's class or module,
+  when the installed version lies in ``versions`` (the range the recipe was checked against)::
+
+      {kind: library_patch, params: {module: transformers.models.llama.modeling_llama,
+                                     function: LlamaRMSNorm.forward, versions: ">=4.48,<6"}}
+
+  Required: ``module``, ``function`` (``func`` or ``Class.method``) and ``versions``; optional ``distribution``
+  (default: the module's top package). ``imports`` go to the patch module's top (tools/codemods/library_patch.py).
+
 Every kind also takes ``define``: module-level helper code (``def``, ``class`` and ``NAME = value``
 statements, no ``$``) inserted once after the file's imports, e.g. an ``autograd.Function``
 around a fused op without a registered backward. It is data like the rest: inserted, never run
@@ -102,6 +113,7 @@ from pydantic import (
     model_validator,
 )
 
+from trainbridge.knowledge.versions import check_range
 from trainbridge.records import Evidence, IntentCategory
 
 
@@ -125,6 +137,7 @@ MATCH_KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "semantic": (("scope", "signature"), ()),
     "statements": (("pattern",), ("matched",)),
     "decorate": (("scope",), ()),
+    "library_patch": (("module", "function", "versions"), ()),
 }
 
 _SLUG = r"^[a-z0-9][a-z0-9_.-]*[a-z0-9]$"
@@ -149,7 +162,8 @@ def placeholders(text: str) -> set[str]:
 class MatchSpec(_Model):
     """What a recipe applies to: a pattern kind and its parameters (data, interpreted elsewhere)."""
 
-    kind: str = Field(description="one of MATCH_KINDS: expression | call | op_sequence | semantic | statements | decorate")
+    kind: str = Field(description="one of MATCH_KINDS: expression | call | op_sequence | semantic | statements | decorate "
+                                  "| library_patch")
     params: dict[str, JsonValue] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -165,6 +179,11 @@ class MatchSpec(_Model):
                 re.compile(str(self.params["regex"]))
             except re.error as exc:
                 raise ValueError(f"params.regex does not compile: {exc}") from None
+        if self.kind == "library_patch":
+            check_range(str(self.params["versions"]))
+            if not re.match(r"^[A-Za-z_][\w.]*$", str(self.params["module"])) or not re.match(
+                    r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)?$", str(self.params["function"])):
+                raise ValueError("params.module must be a dotted module and params.function 'func' or 'Class.method'")
         if self.kind == "semantic":
             if self.params["scope"] not in ("function", "module_forward"):
                 raise ValueError("params.scope must be 'function' or 'module_forward'")

@@ -14,8 +14,10 @@ from pydantic import Field
 
 from trainbridge.knowledge.schema import Recipe
 from trainbridge.records import Intent, Record, SourceSpan
+from trainbridge.agents.coder.library import library_commit_message, write_library_patch
 from trainbridge.agents.coder.semantic_match import apply_semantically, probes
 from trainbridge.tools.codemods.engine import CodemodRefused, apply_companion, apply_recipe
+from trainbridge.tools.codemods.library_patch import refusal as library_patch_refusal
 
 
 class Candidate(Record):
@@ -87,7 +89,7 @@ def apply_companions(workspace, root: Path, recipe: Recipe) -> list[str]:
 def library_refusal(intent: Intent, recipe_id: str) -> CoderRefusal:
     """Why a rewrite of the user's files does not apply to a region that lives in a library (`intent.library`): the
     library file is outside the repository and is never edited; such a region is rewritten by a patch module in the
-    user's repository (not built yet)."""
+    user's repository (a `library_patch` recipe, agents/coder/library.py)."""
     library = intent.library
     where = f"{library.file}, {library.function or 'lines ' + library.lines()}" if library else "?"
     owner = " ".join(x for x in (library.distribution, library.version) if x) if library else ""
@@ -95,7 +97,7 @@ def library_refusal(intent: Intent, recipe_id: str) -> CoderRefusal:
         f"the region is library code ({where}{', ' + owner if owner else ''}), reached from "
         f"{', '.join(str(s) for s in intent.spans) or 'no line of the repository'}: this recipe rewrites the user's "
         "files, and the library file lies outside the repository (never edited); a library region needs a patch "
-        "module in the repository"))
+        "module in the repository (a library_patch recipe)"))
 
 
 def make_candidate(workspace, intent: Intent, recipe: Recipe, attempt: int = 0, *, overlay: str | None = None) -> Candidate | CoderRefusal:
@@ -104,8 +106,8 @@ def make_candidate(workspace, intent: Intent, recipe: Recipe, attempt: int = 0, 
     `overlay`: a commit whose files are laid over the run head first (the pending-NPU branch head, so
     numerics-verified NPU rewrites stack: the candidate then carries them too, and its cherry-pick onto
     that branch adds only the new rewrite)."""
-    if intent.library is not None:
-        return library_refusal(intent, recipe.id)
+    if recipe.match.kind == "library_patch" or intent.library is not None:
+        return _library_candidate(workspace, intent, recipe, attempt, overlay=overlay)
     name = candidate_name(intent, recipe.id, attempt)
     cand = workspace.start_candidate(name)
     if overlay is not None:
@@ -144,3 +146,29 @@ def make_candidate(workspace, intent: Intent, recipe: Recipe, attempt: int = 0, 
         )
     workspace.reject_candidate(name)
     return CoderRefusal(recipe_id=recipe.id, reason="; ".join(reasons) or "the intent has no source span", close=close[:5])
+
+
+def _library_candidate(workspace, intent: Intent, recipe: Recipe, attempt: int, *, overlay: str | None) -> Candidate | CoderRefusal:
+    """A library region (`intent.library`) takes only library patches: a patch module in the user's repository plus
+    its import line in the entry script (agents/coder/library.py); a library patch never rewrites an in-repo region."""
+    if intent.library is not None and recipe.match.kind != "library_patch":
+        return library_refusal(intent, recipe.id)
+    why = library_patch_refusal(recipe, intent.library)
+    if why is not None:  # refused before a worktree is made: another function, another version of the library
+        return CoderRefusal(recipe_id=recipe.id, reason=why)
+    name = candidate_name(intent, recipe.id, attempt)
+    cand = workspace.start_candidate(name)
+    if overlay is not None:
+        workspace.git(Path(cand.path), "checkout", overlay, "--", ".")
+    patch = write_library_patch(Path(cand.path), intent, recipe)
+    if isinstance(patch, str):
+        workspace.reject_candidate(name)
+        return CoderRefusal(recipe_id=recipe.id, reason=patch)
+    result = workspace.commit_candidate(name, library_commit_message(intent, recipe, patch))
+    if result.sha is None:
+        workspace.reject_candidate(name)
+        return CoderRefusal(recipe_id=recipe.id, reason=f"the patch left the repository unchanged ({patch.module_file} "
+                            "already holds it)")
+    return Candidate(name=name, intent_id=intent.id, category=str(intent.category), recipe_id=recipe.id,
+                     branch=result.branch, sha=result.sha, base_sha=result.base_sha, diff=workspace.candidate_diff(name),
+                     files=result.files, sites=[], worktree=str(cand.path))

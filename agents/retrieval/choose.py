@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainbridge.agents.retrieval.rank import rank_recipes
 from trainbridge.sandbox.backends import host_capabilities
+from trainbridge.tools.codemods.library_patch import fits as library_patch_fits
 from trainbridge.records import Intent
 
 if TYPE_CHECKING:
@@ -59,8 +60,11 @@ def own_recipes(kb: KnowledgeBase, intent: Intent, target: str, allowed: Collect
     those that need what this host does not have (`Recipe.requires`: every gate of theirs would crash)."""
     ranked = rank_recipes(kb, intent, target, n=RANKED)
     has = host_capabilities(target) if any(r.recipe.requires for r in ranked) else frozenset()
-    return _allowed(allowed, [r.recipe.id for r in ranked
-                              if str(r.recipe.category) == str(intent.category) and set(r.recipe.requires) <= has])
+    own = [r.recipe for r in ranked if str(r.recipe.category) == str(intent.category) and set(r.recipe.requires) <= has]
+    # a library patch only for the library function it replaces, and first for it (a library region's in-repo recipes
+    # stay queued behind it, each refused with its reason: they rewrite the user's files)
+    patches = [r.id for r in own if library_patch_fits(r, intent.library)]
+    return _allowed(allowed, patches + [r.id for r in own if r.match.kind != "library_patch"])
 
 
 def _allowed(allowed: Collection[str] | None, recipe_ids: list[str]) -> list[str]:

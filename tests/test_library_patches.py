@@ -1,0 +1,220 @@
+"""Library regions rewritten from the user's repository (issue 26, item 2): for an intent located in transformers'
+LlamaRMSNorm.forward or apply_rotary_pos_emb, the coder writes `trainbridge_patches.py` beside the entry script and
+one import line into it; the patched model trains like the library's (loss and gradients), a second patch lands in
+the same module, and a library version outside the recipe's range is refused by the coder and left alone by the
+module. The tiny HF Llama script repo and its intents are tests/test_library_regions.py's (a model from a config,
+random weights, never a download); the NPU patches run in a child with the emulated torch_npu on its path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import git
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers.models.llama import modeling_llama  # noqa: E402
+
+from trainbridge.agents.analyst import affinity  # noqa: E402
+from trainbridge.agents.analyst.align import align  # noqa: E402
+from trainbridge.agents.coder.candidate import Candidate, CoderRefusal, make_candidate  # noqa: E402
+from trainbridge.agents.retrieval.choose import own_recipes  # noqa: E402
+from trainbridge.knowledge.schema import load_recipe_dir  # noqa: E402
+from trainbridge.records import Intent  # noqa: E402
+from trainbridge.sandbox.npu_emulation import NpuSelection, selection_env  # noqa: E402
+from trainbridge.tests.git_ops_support import no_global_git_identity, workspace  # noqa: E402,F401 - autouse fixture
+from trainbridge.tools.codemods.library_patch import IMPORT_LINE, PATCH_MODULE  # noqa: E402
+from trainbridge.tools.eager_profile import record_eager_ops  # noqa: E402
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "library_regions"
+RECIPES = {r.id: r for r in load_recipe_dir(Path(__file__).resolve().parents[1] / "knowledge" / "recipes")}
+SCRIPT = "hf_steps.py"
+
+
+@pytest.fixture(scope="module")
+def intents(tmp_path_factory) -> dict[str, Intent]:
+    """The rmsnorm and rope intents the analyst finds in the library for the fixture's training step."""
+    root = tmp_path_factory.mktemp("hf-profile")
+    shutil.copy(FIXTURE / "repo" / SCRIPT, root / SCRIPT)
+    spec = importlib.util.spec_from_file_location("hf_steps_for_patches", root / SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    table = record_eager_ops(module.make_parts(), root, steps=1, warmup=1)
+    found = {str(i.category): i for i in align(affinity.detect(table, "AdamW"), table) if i.library is not None}
+    assert {"rmsnorm", "rope"} <= set(found), [i.where() for i in found.values()]
+    return found
+
+
+def _repo(root: Path) -> git.Repo:
+    repo = git.Repo.init(root, initial_branch="main")
+    with repo.config_writer() as config:
+        config.set_value("user", "name", "Alice")
+        config.set_value("user", "email", "alice@example.com")
+    shutil.copy(FIXTURE / "repo" / SCRIPT, root / SCRIPT)
+    repo.git.add("-A")
+    repo.git.commit("-m", "initial")
+    return repo
+
+
+def _loss_and_grads(steps_module) -> tuple[float, dict[str, torch.Tensor]]:
+    parts = steps_module.make_parts(seed=0)
+    model, tokens = parts["model"], steps_module.batch(0)
+    out = model(input_ids=tokens, labels=tokens)
+    out.loss.backward()
+    return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_rmsnorm_patch_is_a_module_and_an_import_line_and_trains_like_the_library(tmp_path, intents, monkeypatch):
+    repo = _repo(tmp_path / "user")
+    rms = intents["rmsnorm"]
+    assert own_recipes(_Kb(), rms, "cpu", None)[0] == "rmsnorm-hf-llama-patch-rms-norm"  # retrieval offers it first
+    made = make_candidate(workspace(repo, tmp_path), rms, RECIPES["rmsnorm-hf-llama-patch-rms-norm"])
+    assert isinstance(made, Candidate), made
+    tree = Path(made.worktree)
+    assert sorted(made.files) == [SCRIPT, PATCH_MODULE]
+    script = (tree / SCRIPT).read_text().splitlines()
+    imports_end = max(i for i, line in enumerate(script) if line.startswith(("import ", "from ")) and "trainbridge" not in line)
+    assert script[imports_end + 1] == IMPORT_LINE and script.count(IMPORT_LINE) == 1  # after the script's own imports
+    patch = (tree / PATCH_MODULE).read_text()
+    assert "_install('transformers', '>=4.45,<6', 'transformers.models.llama.modeling_llama', 'LlamaRMSNorm.forward'," in patch
+    assert "+" + IMPORT_LINE in made.diff and f"+++ b/{PATCH_MODULE}" in made.diff
+    message = repo.git.log("-1", "--format=%B", made.sha)
+    assert "Library patch: transformers.models.llama.modeling_llama.LlamaRMSNorm.forward" in message
+    assert "modeling_llama.py:LlamaRMSNorm.forward" in message  # the intent's library location and call site
+    assert (Path(repo.working_tree_dir) / SCRIPT).read_text() == (FIXTURE / "repo" / SCRIPT).read_text()
+
+    base_loss, base_grads = _loss_and_grads(_load(FIXTURE / "repo" / SCRIPT, "hf_steps_unpatched"))
+    original = modeling_llama.LlamaRMSNorm.forward
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", original)  # restored after the test
+    monkeypatch.syspath_prepend(str(tree))
+    monkeypatch.delitem(sys.modules, "trainbridge_patches", raising=False)
+    patched_steps = _load(tree / SCRIPT, "hf_steps_patched")  # its import line installs the patch
+    patches = sys.modules["trainbridge_patches"]
+    monkeypatch.delitem(sys.modules, "trainbridge_patches")
+    assert modeling_llama.LlamaRMSNorm.forward is not original
+    assert patches.INSTALLED == ["transformers.models.llama.modeling_llama.LlamaRMSNorm.forward"]
+    assert modeling_llama.LlamaRMSNorm.forward.__trainbridge_original__ is original
+    loss, grads = _loss_and_grads(patched_steps)
+    assert loss == pytest.approx(base_loss, rel=1e-5)
+    for name, grad in base_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class _Kb:
+    """The seed recipes as the knowledge base ranks them (categories and targets; no outcomes)."""
+
+    def ranking_inputs(self, intent, target, categories, strict_target):
+        return [(r, 0.0) for r in RECIPES.values() if target in r.targets], []
+
+
+def test_a_library_version_outside_the_range_is_refused_by_the_coder_and_left_alone_by_the_module(tmp_path, intents,
+                                                                                                   monkeypatch):
+    rms = intents["rmsnorm"]
+    old = rms.model_copy(update={"library": rms.library.model_copy(update={"version": "4.40.2"})})
+    refused = make_candidate(None, old, RECIPES["rmsnorm-hf-llama-patch-rms-norm"])  # refused before any worktree
+    assert isinstance(refused, CoderRefusal)
+    assert "checked against transformers >=4.45,<6" in refused.reason and "transformers 4.40.2 ran here" in refused.reason
+    wrong = make_candidate(None, rms, RECIPES["rope-hf-llama-patch-npu"])
+    assert isinstance(wrong, CoderRefusal) and "not transformers.models.llama.modeling_llama.LlamaRMSNorm.forward" in wrong.reason
+
+    repo = _repo(tmp_path / "user")
+    made = make_candidate(workspace(repo, tmp_path), rms, RECIPES["rmsnorm-hf-llama-patch-rms-norm"])
+    assert isinstance(made, Candidate), made
+    original = modeling_llama.LlamaRMSNorm.forward
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", original)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "6.0.1")  # transformers swaps its module object
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patches = _load(Path(made.worktree) / PATCH_MODULE, "trainbridge_patches_v6")
+    assert modeling_llama.LlamaRMSNorm.forward is original and patches.INSTALLED == []
+    assert any("transformers 6.0.1 is outside >=4.45,<6" in str(w.message) and "left alone" in str(w.message) for w in caught)
+
+
+_CHILD = textwrap.dedent("""
+    import importlib.util, json, sys
+    import torch
+    import torch_npu
+
+    fixture, tree = sys.argv[1], sys.argv[2]
+    count = torch_npu.__trainbridge_kernels_launched__
+
+    def load(path, name):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    def step(steps):
+        parts = steps.make_parts(seed=0)
+        model = parts["model"].to("npu")
+        tokens = steps.batch(0).to("npu")
+        before = count()
+        out = model(input_ids=tokens, labels=tokens)
+        out.loss.backward()
+        kernels = count() - before
+        return out.loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters()}, kernels
+
+    base_loss, base_grads, base_kernels = step(load(fixture, "hf_steps_unpatched"))
+    sys.path.insert(0, tree)
+    patched = load(tree + "/hf_steps.py", "hf_steps_patched")
+    import trainbridge_patches
+    from transformers.models.llama import modeling_llama
+    loss, grads, kernels = step(patched)
+    worst = max(float(((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-12))) for n, g in base_grads.items())
+    cosine = min(float(torch.nn.functional.cosine_similarity(grads[n].flatten(), g.flatten(), dim=0))
+                 for n, g in base_grads.items() if g.abs().max() > 0)
+    print("RESULT " + json.dumps({"installed": trainbridge_patches.INSTALLED, "base_loss": base_loss, "loss": loss,
+                                  "worst_rel": worst, "cosine": cosine, "base_kernels": base_kernels, "kernels": kernels,
+                                  "rope_patched": modeling_llama.apply_rotary_pos_emb.__name__}))
+""")
+
+
+def test_two_npu_patches_land_in_one_module_and_train_like_the_library_on_the_emulated_npu(tmp_path, intents):
+    repo = _repo(tmp_path / "user")
+    work = workspace(repo, tmp_path)
+    rms = make_candidate(work, intents["rmsnorm"], RECIPES["rmsnorm-hf-llama-patch-npu"])
+    assert isinstance(rms, Candidate), rms
+    rope = make_candidate(work, intents["rope"], RECIPES["rope-hf-llama-patch-npu"], overlay=rms.sha)  # the pending head
+    assert isinstance(rope, Candidate), rope
+    tree = Path(rope.worktree)
+    patch = (tree / PATCH_MODULE).read_text()
+    assert patch.count("# === TrainBridge patch ") == 2 and patch.count("import torch_npu") == 1
+    assert "'LlamaRMSNorm.forward', _tb_llama_rms_norm_forward_npu)" in patch
+    assert "'apply_rotary_pos_emb', _tb_llama_apply_rotary_pos_emb_npu)" in patch
+    assert (tree / SCRIPT).read_text().count(IMPORT_LINE) == 1  # the second patch reuses the import line
+    assert not (tree / "trainbridge_patches_2.py").exists() and sorted(p.name for p in tree.glob("*.py")) == [SCRIPT, PATCH_MODULE]
+    again = make_candidate(work, intents["rmsnorm"], RECIPES["rmsnorm-hf-llama-patch-npu"], attempt=1, overlay=rope.sha)
+    assert isinstance(again, CoderRefusal) and "already patches" in again.reason
+
+    selection = NpuSelection(mode="emulated", cause="not_installed", reason="test", python=sys.executable)
+    env = selection_env(selection, {k: v for k, v in os.environ.items() if not k.startswith("TRAINBRIDGE_NPU_EMULATION")})
+    child = tmp_path / "child.py"
+    child.write_text(_CHILD)
+    proc = subprocess.run([sys.executable, str(child), str(FIXTURE / "repo" / SCRIPT), str(tree)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert r["installed"] == ["transformers.models.llama.modeling_llama.LlamaRMSNorm.forward",
+                              "transformers.models.llama.modeling_llama.apply_rotary_pos_emb"]
+    assert r["rope_patched"] == "_tb_llama_apply_rotary_pos_emb_npu"
+    assert r["loss"] == pytest.approx(r["base_loss"], rel=1e-5)
+    assert r["worst_rel"] < 1e-3 and r["cosine"] > 0.99999, r
+    assert r["kernels"] < r["base_kernels"], r  # fused norm and rotary: fewer NPU kernels per forward and backward
