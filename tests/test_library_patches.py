@@ -218,3 +218,62 @@ def test_two_npu_patches_land_in_one_module_and_train_like_the_library_on_the_em
     assert r["loss"] == pytest.approx(r["base_loss"], rel=1e-5)
     assert r["worst_rel"] < 1e-3 and r["cosine"] > 0.99999, r
     assert r["kernels"] < r["base_kernels"], r  # fused norm and rotary: fewer NPU kernels per forward and backward
+
+
+ENTRY = '''"""The tiny HF Llama in entry mode: the gate builds it, on the emulated NPU for --target npu."""
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def build(device: str, seed: int) -> dict:
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, use_cache=False)
+    model = LlamaForCausalLM(config).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def batch(step: int):
+        tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(seed * 1000 + step))
+        return tokens.to(device)
+
+    def loss_fn(model, tokens):
+        return model(input_ids=tokens, labels=tokens).loss
+
+    def train_step(model, optimizer, tokens):
+        optimizer.zero_grad()
+        loss = loss_fn(model, tokens)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return {"model": model, "optimizer": optimizer, "batch": batch, "loss_fn": loss_fn, "train_step": train_step}
+'''
+
+
+def test_the_gate_judges_a_library_patch_like_any_candidate_numerics_verified_on_the_emulated_npu(tmp_path, intents):
+    from trainbridge.agents.profiler.judge import judge_candidate
+    from trainbridge.agents.profiler.verdict import VerdictReason
+    from trainbridge.records import SourceSpan
+
+    root = tmp_path / "user"
+    repo = git.Repo.init(root, initial_branch="main")
+    with repo.config_writer() as config:
+        config.set_value("user", "name", "Alice")
+        config.set_value("user", "email", "alice@example.com")
+    (root / "train.py").write_text(ENTRY)
+    (root / "trainbridge.toml").write_text('entry = "train:build"\nwarmup_steps = 1\nsteps = 2\ntimeout_s = 240\n')
+    repo.git.add("-A")
+    repo.git.commit("-m", "initial")
+    call = next(i for i, line in enumerate(ENTRY.splitlines(), start=1) if "model(input_ids" in line)
+    rms = intents["rmsnorm"].model_copy(update={"spans": [SourceSpan(file="train.py", line_start=call, line_end=call)]})
+    recipe = RECIPES["rmsnorm-hf-llama-patch-npu"]
+    work = workspace(repo, tmp_path)
+    made = make_candidate(work, rms, recipe)
+    assert isinstance(made, Candidate), made
+    assert (Path(made.worktree) / "train.py").read_text().splitlines()[3] == IMPORT_LINE  # after the two imports
+    verdict = judge_candidate(work.worktree, Path(made.worktree), target="npu", recipe_numerics=recipe.numerics, rounds=2,
+                              max_rounds=2, min_gain=0.01)
+    assert verdict.reason == VerdictReason.speed_unmeasured_numerics_ok and not verdict.accepted, verdict.message
+    assert verdict.numerics.passed and verdict.candidate_versions["torch_npu"].endswith("(emulated)")
+    kernels = verdict.device_kernels
+    assert kernels is not None and 0 < kernels.candidate < kernels.baseline, verdict.message  # the fused norm
