@@ -277,3 +277,21 @@ def test_the_gate_judges_a_library_patch_like_any_candidate_numerics_verified_on
     assert verdict.numerics.passed and verdict.candidate_versions["torch_npu"].endswith("(emulated)")
     kernels = verdict.device_kernels
     assert kernels is not None and 0 < kernels.candidate < kernels.baseline, verdict.message  # the fused norm
+
+
+def test_the_import_line_goes_after_the_scripts_own_imports_once_and_version_ranges_compare_release_numbers():
+    from trainbridge.knowledge.versions import check_range, version_in_range
+    from trainbridge.tools.codemods.library_patch import add_import_line
+
+    script = '#!/usr/bin/env python\n"""Doc."""\nfrom __future__ import annotations\n\nimport torch\nfrom x import (a,\n    b)\n# setup\nMODEL = 1\nimport late\n'
+    patched, line = add_import_line(script, "train.py")
+    assert patched.splitlines()[line - 1] == IMPORT_LINE and line == 8  # after the parenthesised import, before the code
+    assert patched.replace(IMPORT_LINE + "\n", "") == script
+    assert add_import_line(patched, "train.py") == (patched, 0)  # a second patch adds no second line
+    bare, line = add_import_line("print(1)", "run.py")
+    assert bare == IMPORT_LINE + "\nprint(1)\n" and line == 1
+    assert version_in_range("5.25.0", ">=4.45,<6") and version_in_range("4.45.0.dev0", ">=4.45,<6")
+    assert not version_in_range("6.0.0", ">=4.45,<6") and not version_in_range("4.44.2", ">=4.45,<6")
+    assert version_in_range("4.48", "==4.48.0") and not version_in_range("4.48.1", "!=4.48.1")
+    with pytest.raises(ValueError, match="not OP RELEASE"):
+        check_range(">=4.45,~6")
