@@ -295,3 +295,43 @@ def test_the_import_line_goes_after_the_scripts_own_imports_once_and_version_ran
     assert version_in_range("4.48", "==4.48.0") and not version_in_range("4.48.1", "!=4.48.1")
     with pytest.raises(ValueError, match="not OP RELEASE"):
         check_range(">=4.45,~6")
+
+
+def test_eager_attention_goes_through_the_librarys_own_sdpa_switch_with_the_same_loss_and_gradients(tmp_path, intents,
+                                                                                                     monkeypatch):
+    from trainbridge.tools.library_code import library_span
+
+    root = tmp_path / "user"
+    _repo(root)
+    eager = (root / SCRIPT).read_text().replace("use_cache=False)", 'use_cache=False, attn_implementation="eager")')
+    assert 'attn_implementation="eager"' in eager
+    (root / SCRIPT).write_text(eager)
+    repo = git.Repo(root)
+    repo.git.commit("-am", "eager attention")
+    lines = [i for i, line in enumerate(Path(modeling_llama.__file__).read_text().splitlines(), start=1)
+             if line.startswith("def eager_attention_forward(")]
+    library = library_span("transformers/models/llama/modeling_llama.py", lines[0], lines[0] + 20, "eager_attention_forward")
+    spans = intents["rmsnorm"].spans  # the model(...) line of the same script
+    attention = Intent(id=Intent.make_id("attention", spans, library), category="attention", spans=spans, library=library,
+                       confidence=0.5, source="advisor_rule")
+    assert own_recipes(_Kb(), attention, "cpu", None)[0] == "attention-hf-llama-patch-sdpa"
+    made = make_candidate(workspace(repo, tmp_path), attention, RECIPES["attention-hf-llama-patch-sdpa"])
+    assert isinstance(made, Candidate), made
+    tree = Path(made.worktree)
+
+    base_loss, base_grads = _loss_and_grads(_load(root / SCRIPT, "hf_steps_eager"))
+    original = modeling_llama.eager_attention_forward
+    monkeypatch.setattr(modeling_llama, "eager_attention_forward", original)
+    monkeypatch.syspath_prepend(str(tree))
+    monkeypatch.delitem(sys.modules, "trainbridge_patches", raising=False)
+    patched_steps = _load(tree / SCRIPT, "hf_steps_eager_patched")
+    monkeypatch.delitem(sys.modules, "trainbridge_patches")
+    assert modeling_llama.eager_attention_forward.__trainbridge_original__ is original
+    fused, calls = torch.nn.functional.scaled_dot_product_attention, []
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or fused(*a, **k))
+    loss, grads = _loss_and_grads(patched_steps)
+    assert len(calls) == 2  # one fused attention per layer: the library's SDPA path ran, not the eager matmuls
+    assert loss == pytest.approx(base_loss, rel=1e-5)
+    for name, grad in base_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
