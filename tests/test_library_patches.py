@@ -335,3 +335,31 @@ def test_eager_attention_goes_through_the_librarys_own_sdpa_switch_with_the_same
     assert loss == pytest.approx(base_loss, rel=1e-5)
     for name, grad in base_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_patch_module_leaves_the_library_alone_when_the_function_is_missing_or_its_signature_differs(monkeypatch):
+    from trainbridge.tools.codemods.library_patch import add_patch
+
+    recipe = RECIPES["rmsnorm-hf-llama-patch-rms-norm"]
+
+    def variant(rid: str, replacement: str, **params):
+        match = recipe.match.model_copy(update={"params": {**recipe.match.params, **params}})
+        return recipe.model_copy(update={"id": rid, "match": match, "replacement": replacement})
+
+    missing = variant("a-missing", recipe.replacement.replace("_tb_llama_rms_norm_forward", "_tb_a"), function="NoSuchNorm.forward")
+    moved = variant("b-moved", recipe.replacement.replace("_tb_llama_rms_norm_forward", "_tb_b"),
+                    module="transformers.models.no_such_model.modeling")
+    other = variant("c-signature", recipe.replacement.replace("(self, hidden_states)", "(self, x, residual)"))
+    text = add_patch(add_patch(add_patch(None, missing, SCRIPT), moved, SCRIPT), other, SCRIPT)
+    original = modeling_llama.LlamaRMSNorm.forward
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", original)
+    namespace: dict = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(text, PATCH_MODULE, "exec"), namespace)  # the user's script keeps running
+    assert namespace["INSTALLED"] == [] and modeling_llama.LlamaRMSNorm.forward is original
+    said = [str(w.message) for w in caught]
+    assert any("NoSuchNorm.forward not patched: this version of transformers" in m for m in said), said
+    assert any("no_such_model.modeling does not import" in m for m in said), said
+    assert any("its signature is not the patch's ((self, hidden_states: torch.Tensor) -> torch.Tensor vs (self, x, residual))" in m
+               for m in said), said

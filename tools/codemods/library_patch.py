@@ -50,15 +50,22 @@ def _install(distribution, versions, module_name, qualname, patch):
         warnings.warn(f"TrainBridge: {{where}} not patched: {{distribution}} {{installed}} is outside {{versions}}, the "
                       "versions the patch was checked against; the library is left alone", stacklevel=2)
         return False
-    module = importlib.import_module(module_name)
     owner_name, _, name = qualname.rpartition(".")
-    owner = getattr(module, owner_name) if owner_name else module
-    original = vars(owner).get(name)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        warnings.warn(f"TrainBridge: {{where}} not patched: {{module_name}} does not import ({{exc}})", stacklevel=2)
+        return False
+    owner = getattr(module, owner_name, None) if owner_name else module
+    original = vars(owner).get(name) if owner is not None else None
     behind = _function_behind(original, name)
-    if behind is None or list(inspect.signature(behind).parameters) != list(inspect.signature(patch).parameters):
-        warnings.warn(f"TrainBridge: {{where}} not patched: its signature is not the patch's "
-                      f"({{inspect.signature(behind) if behind is not None else 'not found'}} vs "
-                      f"{{inspect.signature(patch)}}); the library is left alone", stacklevel=2)
+    if behind is None:
+        warnings.warn(f"TrainBridge: {{where}} not patched: this version of {{distribution}} ({{installed}}) does not "
+                      "define it there; the library is left alone", stacklevel=2)
+        return False
+    if list(inspect.signature(behind).parameters) != list(inspect.signature(patch).parameters):
+        warnings.warn(f"TrainBridge: {{where}} not patched: its signature is not the patch's ({{inspect.signature(behind)}} "
+                      f"vs {{inspect.signature(patch)}}); the library is left alone", stacklevel=2)
         return False
     patch.__trainbridge_original__ = original
     setattr(owner, name, patch)
