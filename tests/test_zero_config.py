@@ -260,7 +260,7 @@ def test_a_shown_file_the_script_writes_is_copied_on_write_and_the_checkouts_cop
 ])
 def test_advice_names_the_cause_and_the_fix(message, tail, cause, fix, line_specific):
     from trainbridge.sandbox.results import Failure
-    from trainbridge.tools.launch.check_advice import advise
+    from trainbridge.graph.cli.check_advice import advise
     from trainbridge.tools.launch.discovery import Discovery, Setting
 
     found = Discovery(repo="/r", candidates=[], settings=[Setting(name="device", value="'cuda'", kind="argparse option",

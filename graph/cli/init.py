@@ -1,6 +1,6 @@
 """`trainbridge init <repo>`: find the training script and its launch line, say what was found and
 why, write a commented `trainbridge.toml`, then prove it with one short measurement: on a failure, say
-the cause and its fix (tools/launch/check_advice.py) and try the next lines that can run here, then
+the cause and its fix (graph/cli/check_advice.py) and try the next lines that can run here, then
 the line with the override that fixes its device (`prove`), keeping the first that runs.
 
 Script mode (running `launch`) is not in every version: until the workload loader knows the
@@ -120,9 +120,9 @@ def prove(root: Path, found: Discovery, chosen: LaunchCandidate) -> LaunchCandid
     """Measure the written launch line; when it fails for a reason another line may not share (a device), try the
     next candidates that can run here, the lines that name the CPU first, then the failed line with the override that
     fixes it (its device setting = "cpu"), MAX_TRIES checks in all, and keep the first that runs. Says the cause of
-    each failure and its fix (tools/launch/check_advice.py). Returns the line that ran, False when none did, True
+    each failure and its fix (graph/cli/check_advice.py). Returns the line that ran, False when none did, True
     when no check could run (said so)."""
-    from trainbridge.tools.launch.check_advice import advise
+    from trainbridge.graph.cli.check_advice import advise
 
     target = root / TOML_NAME
     queue: list[tuple[LaunchCandidate, dict | None]] = [(c, None) for c in [chosen, *(c for c in found.candidates if c is not chosen)]]

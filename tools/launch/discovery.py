@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainbridge.sandbox.script.ignored import not_an_input
+from trainbridge.tools.launch.not_inputs import not_an_input
 from trainbridge.tools.git.ignore_rules import IgnoreRules
 from trainbridge.tools.launch.lines import ParsedLaunch, lines_in_markdown, lines_in_shell, parse_launch
 from trainbridge.tools.launch.script_facts import SIZE_NAMES, ScriptFacts, SettingHint, read_script_facts
