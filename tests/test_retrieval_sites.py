@@ -60,3 +60,16 @@ def test_every_verdict_records_its_recipe_and_site():
     records = [{"intent_id": "i1", "recipe_id": "r1"}, {"intent_id": "i2", "recipe_id": "r2"},
                {"intent_id": "i1", "recipe_id": None}]  # an LLM candidate has no recipe: nothing to skip by
     assert nodes.tried_sites(state, records) == ["r1@abc"]
+
+
+def test_regions_in_a_library_called_from_one_line_are_different_sites(tmp_path):
+    from trainbridge.records import LibrarySpan
+
+    repo = make_loop_repo(tmp_path / "repo")
+    gelu = _gelu(repo)
+    norm = LibrarySpan(file="transformers/models/llama/modeling_llama.py", line_start=65, line_end=67,
+                       module="transformers.models.llama.modeling_llama", function="LlamaRMSNorm.forward",
+                       distribution="transformers", version="5.25.0")
+    rope = norm.model_copy(update={"function": "apply_rotary_pos_emb", "line_start": 120, "line_end": 130})
+    at_norm, at_rope = (site_fingerprint(repo, gelu.model_copy(update={"library": lib})) for lib in (norm, rope))
+    assert len({at_norm, at_rope, site_fingerprint(repo, gelu)}) == 3  # one call site, three sites
