@@ -207,7 +207,7 @@ def test_a_check_that_downloads_says_it_needs_the_network(tmp_path):
               'model = torch.nn.Linear(2, 1)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\nfor _ in range(100):\n'
               '    loss = model(torch.ones(2)).sum()\n    loss.backward()\n    opt.step()\n')
     user = write(tmp_path / "user", {"train.py": script, "README.md": "```\npython train.py\n```\n"})
-    from trainbridge.tests.zero_config_repos import commit_all
+    from script_repos import commit_all
 
     commit_all(user)
     result = init(user, "--yes")
@@ -235,7 +235,7 @@ def test_a_shown_file_the_script_writes_is_copied_on_write_and_the_checkouts_cop
               '    loss = model(torch.ones(2)).sum()\n    loss.backward()\n    opt.step()\n'
               '    if step == 1:\n        torch.save(model.state_dict(), "ckpt.pt")\n')
     user = write(tmp_path / "user", {"train.py": script, ".gitignore": "*.pt\n"})
-    from trainbridge.tests.zero_config_repos import commit_all
+    from script_repos import commit_all
 
     commit_all(user)
     write(user, {"notes.txt": "kept\n"})  # untracked

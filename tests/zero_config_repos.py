@@ -6,10 +6,10 @@ the repository; the optimizer and backward() live in the trainer)."""
 from __future__ import annotations
 
 import pickle
-import subprocess
 from pathlib import Path
 
 import numpy as np
+from script_repos import commit_all, git  # noqa: F401  (git: the tests' own, re-exported)
 
 VOCAB = 40
 
@@ -216,26 +216,11 @@ if __name__ == "__main__":
 '''
 
 
-def git(repo: Path, *args: str) -> str:
-    done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"git {' '.join(args)} failed in {repo}: {done.stderr.strip()}")
-    return done.stdout.strip()
-
-
 def write(root: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text, encoding="utf-8")
     return root
-
-
-def commit_all(repo: Path) -> None:
-    git(repo, "init", "-q", "--initial-branch=main")
-    git(repo, "config", "user.name", "test")
-    git(repo, "config", "user.email", "test@localhost")
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "training code")
 
 
 def tokens(folder: Path, *, count: int = 4000, seed: int = 0) -> None:
