@@ -5,7 +5,6 @@ Mounted on the root app by graph/cli/app.py. Nothing here runs at import time.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from rich.table import Table
 from trainbridge.graph.cli.inputs import resolve_repo
 from trainbridge.graph.cli.terminal import console
 from trainbridge.graph.cli.terminal import error as _error
+from trainbridge.knowledge.cli_json import write_json
 from trainbridge.sandbox.backends import BACKENDS
 from trainbridge.sandbox.results import RunResult
 from trainbridge.sandbox.workload import WorkloadConfigError
@@ -84,7 +84,7 @@ def measure(
         result = run_workload(workload, backend=backend, on_progress=lambda done, total: progress.update(task, completed=done, total=total))
     _print_result(workload.root, result, _stdout(json_out))
     if json_out is not None:
-        _write_json(json_out, json.dumps({"repo": str(workload.root), **result.model_dump(mode="json")}, indent=2))
+        write_json(json_out, {"repo": str(workload.root), **result.model_dump(mode="json")})
     if not result.ok:
         raise typer.Exit(1)
 
@@ -131,7 +131,7 @@ def analyze(
     for note in analysis.notes + [f"skipped {s}" for s in analysis.skipped_files]:
         console.print(f"note: {note}", soft_wrap=True)
     if json_out is not None:
-        _write_json(json_out, analysis.model_dump_json(indent=2))
+        write_json(json_out, analysis.model_dump(mode="json"))
 
 
 def collect_evidence(
@@ -180,14 +180,6 @@ def launch_line(argv: list[str]) -> str:
     import shlex
 
     return shlex.join(argv)
-
-
-def _write_json(target: Path, payload: str) -> None:
-    if str(target) == "-":
-        sys.stdout.write(payload + "\n")
-    else:
-        target.write_text(payload + "\n", encoding="utf-8")
-        console.print(f"wrote {target}")
 
 
 def _progress() -> Progress:
