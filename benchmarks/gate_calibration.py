@@ -153,8 +153,17 @@ def run_paired_round(programs: dict[str, Workload], index: int, seed: int, steps
         first, second = ("base", name) if lead_base else (name, "base")
         a, b = run_pair((programs[first], programs[second]), inputs, backend=backend, extra_env=None, work_dir=None,
                         orphans_to=1 if lead_base else 0)
-        pairs[name] = {first: _times(a, first), second: _times(b, second), "cores": {first: _cores(a), second: _cores(b)}}
+        pairs[name] = {first: _times(a, first), second: _times(b, second), "cores": {first: _cores(a), second: _cores(b)},
+                       "confined": {first: a.confined, second: b.confined}}
     return pairs
+
+
+def confinement_line(rounds: list[dict]) -> str:
+    """How many of the recorded children ran confined (bubblewrap's namespaces or the forked child's own)."""
+    flags = [flag for r in rounds for pair in (r.get("pairs") or {}).values() for flag in (pair.get("confined") or {}).values()]
+    if not flags:
+        return "not recorded"
+    return f"{sum(flags)} of {len(flags)}"
 
 
 def round_sides(round_record: dict, base: str, cand: str) -> tuple[list[float], list[float], float | None]:
@@ -422,6 +431,7 @@ def report(record: dict, args, slowdowns: list[float]) -> None:
     print(table(record["summary_shifted"], f"power at an exact effect: {args.resampled} resampled gate runs on the recorded A/A "
                 "rounds, the candidate side's steps scaled (not independent)"))
     machine = record["machine"]
+    print(f"\nchildren confined: {confinement_line(rounds)}")
     print(f"\nload average start {machine['loadavg_start']}, end {machine.get('loadavg_end')}; "
           f"{record.get('wall_s', 0):.0f} s of measuring")
 
