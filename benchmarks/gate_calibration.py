@@ -154,7 +154,7 @@ def run_paired_round(programs: dict[str, Workload], index: int, seed: int, steps
         a, b = run_pair((programs[first], programs[second]), inputs, backend=backend, extra_env=None, work_dir=None,
                         orphans_to=1 if lead_base else 0)
         pairs[name] = {first: _times(a, first), second: _times(b, second), "cores": {first: _cores(a), second: _cores(b)},
-                       "confined": {first: a.confined, second: b.confined}}
+                       "confined": {first: a.run.confined, second: b.run.confined}}
     return pairs
 
 
