@@ -18,6 +18,11 @@ class ChangeKind(StrEnum):
     import_rewrite = "import_rewrite"  # from torch.cuda[.amp] import X -> from torch_npu.npu[.amp] import X
     import_torch_npu = "import_torch_npu"  # `import torch_npu` added
     fused_optimizer = "fused_optimizer"  # torch.optim.X(..., fused=True) -> foreach=True (the NPU's own fused ones: recipes)
+    fp8_matmul = "fp8_matmul"  # torch._scaled_mm(a, b, ...) in an FP8 op -> a bf16 torch.mm times the scales (precision change)
+    fp8_dtype = "fp8_dtype"  # torch.float8_* casts in an FP8 op (and its fake) -> torch.bfloat16 (precision change)
+    triton_launch = "triton_launch"  # kernel[grid](...) -> the PyTorch ops derived from the @triton.jit kernel's tl ops
+    triton_removed = "triton_removed"  # a @triton.jit kernel (or its autotune helper) no longer launched: deleted
+    triton_import = "triton_import"  # `import triton` dropped, or guarded where the file still names triton
 
 
 class SkipCategory(StrEnum):
@@ -41,6 +46,8 @@ class PortChange(Record):
     kind: ChangeKind
     before: str
     after: str
+    review: str = Field(default="", description="why a person should review this change (a precision change, a "
+                                                "kernel's math derived by TrainBridge); empty for mechanical renames")
 
 
 class Skipped(Record):
