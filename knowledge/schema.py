@@ -53,7 +53,8 @@ declares the parameters it needs; ``$name`` in a parameter string binds a placeh
   Required: ``pattern`` (multi-line text, or a list whose items are one statement each or a list
   of alternative spellings of that statement). Optional: ``alternatives`` (whole other
   sequences), ``all_in_span``, ``slack`` (how many matched statements may lie outside the span,
-  default 1). The last slot may be the hole ``$_[E]``: the statement that contains E exactly once;
+  default 1), ``helpers`` (as for ``expression``), ``modules`` (metavariable -> the module kinds it must
+  be, by the name of the class the file constructs it from: ``{norm: [RMSNorm]}`` refuses a LayerNorm). The last slot may be the hole ``$_[E]``: the statement that contains E exactly once;
   ``$_[T]`` in the replacement renders that statement with E replaced by T. The replacement is
   statements; ``$matched`` (alone on its line) renders the matched statements as written, so
   ``$matched`` followed by new lines inserts code after them. The rewrite is refused when a name

@@ -24,6 +24,7 @@ from trainbridge.tools.codemods.calls import CallRefused, apply_call
 from trainbridge.tools.codemods import statements as stmts
 from trainbridge.tools.codemods.definitions import DefinitionError, insert_definitions
 from trainbridge.tools.codemods.imports import parse_import_line
+from trainbridge.tools.codemods.module_kinds import modules_mismatch
 from trainbridge.tools.codemods.pattern import Bindings, PatternError, equal, match, parse_expression_pattern
 from trainbridge.tools.codemods.template import TemplateError, render_expression, render_statements
 
@@ -352,8 +353,10 @@ def _apply_statements(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan
         near += close
         edits, unsafe = [], []
         helpers = dict(params.get("helpers", {}) or {})
+        kinds = dict(params.get("modules", {}) or {})
         for f in found:
             why = helpers_mismatch(module, f.bindings, helpers) if helpers else None
+            why = why or (modules_mismatch(module, f.bindings, kinds) if kinds else None)
             if why is not None:
                 unsafe.append(f"{f.site}: {why}")
                 continue
