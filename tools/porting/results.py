@@ -23,11 +23,15 @@ class ChangeKind(StrEnum):
     triton_launch = "triton_launch"  # kernel[grid](...) -> the PyTorch ops derived from the @triton.jit kernel's tl ops
     triton_removed = "triton_removed"  # a @triton.jit kernel (or its autotune helper) no longer launched: deleted
     triton_import = "triton_import"  # `import triton` dropped, or guarded where the file still names triton
+    flex_attention = "flex_attention"  # flex_attention(...) -> _tb_npu_flex_attention(...) on npu_fusion_attention
+    flex_block_mask = "flex_block_mask"  # create_block_mask / BlockMask.from_kv_blocks of a causal/window/document mask_mod
+    flash_attention = "flash_attention"  # flash_attn_func / flash_attn_varlen_func (flash-attn, FA3, kernels hub) -> npu_fusion_attention
 
 
 class SkipCategory(StrEnum):
     triton = "triton"
     flash_attn = "flash_attn"
+    flex_attention = "flex_attention"  # a FlexAttention mask or call the port cannot carry (an arbitrary mask_mod, score_mod)
     kernels_hub = "kernels_hub"
     fp8 = "fp8"
     cuda_graph = "cuda_graph"
