@@ -93,6 +93,22 @@ def _patch_autocast() -> None:
     autocast_cls.__init__ = __init__
 
 
+def _patch_ddp() -> None:
+    """DDP(model, device_ids=[local_rank]) as NPU programs write it: under the mapping the module's parameters are
+    CPU tensors, for which DDP refuses device_ids; they name the npu the mapping put on the CPU, so they are dropped."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = DistributedDataParallel.__init__
+
+    def __init__(self, module, device_ids=None, output_device=None, *args, **kwargs):
+        if (device_ids is not None or output_device is not None) and all(
+                p.device.type == "cpu" for p in module.parameters()):
+            device_ids, output_device = None, None
+        original(self, module, device_ids, output_device, *args, **kwargs)
+
+    DistributedDataParallel.__init__ = __init__
+
+
 def install(npu_module) -> None:
     """Idempotent; raises if another PrivateUse1 backend is already registered in this process."""
     global _installed
@@ -111,4 +127,8 @@ def install(npu_module) -> None:
     patch_pin_memory()
     _patch_autocast()
     NpuToCpuMode().__enter__()  # stays on the mode stack for the life of the process
+    from ._device_collectives import install as install_collectives
+
+    install_collectives()  # init_process_group("hccl") as a ported torchrun program calls it: gloo underneath
+    _patch_ddp()
     _installed = True
