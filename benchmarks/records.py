@@ -60,8 +60,11 @@ def port(repo: Path, home: Path) -> dict[str, Any]:
     return {"ported": bool(payload.get("files_written")), "not_ported": left, "port_changes": len(payload.get("changes") or [])}
 
 
-def _why(summary: dict[str, Any], run_json: dict[str, Any]) -> str:
+def _why(summary: dict[str, Any], run_json: dict[str, Any], failure: Path) -> str:
+    """The run's error (its --json record, else the failure.json in its folder), else its output's last lines."""
     error = run_json.get("error") or (run_json.get("state") or {}).get("error")
+    if not error and failure.exists():
+        error = json.loads(failure.read_text(encoding="utf-8")).get("error")
     if error:
         return str(error if isinstance(error, str) else json.dumps(error))[:600]
     tail = [line for line in summary.get("output_tail") or [] if line.strip()]
@@ -97,11 +100,13 @@ def run_record(source: RecordSource, mirror: Path, work: Path, home: Path, *, bu
     row.update({key: summary[key] for key in ("pending_numerics_ok", "pending_apis", "crashed",
                                                "npu_kernels_per_step_before", "npu_kernels_per_step_after",
                                                "reference_kernels", "change")})
-    row.update(ran=baseline_s is not None, baseline_step_ms=round(baseline_s * 1000, 1) if baseline_s else None,
+    # ran: the record's baseline was measured on the emulated npu and the run ended without an error
+    row.update(ran=baseline_s is not None and run["exit_code"] == 0,
+               baseline_step_ms=round(baseline_s * 1000, 1) if baseline_s else None,
                exit_code=run["exit_code"], stop_reason=(run["state"] or {}).get("stop_reason"),
                verdicts=summary["verdicts"], wall_s=round(time.monotonic() - started, 1))
     if not row["ran"]:
-        row["why"] = _why(summary, run_json)
+        row["why"] = _why(summary, run_json, home / "runs" / run_id / "failure.json")
     return row
 
 
