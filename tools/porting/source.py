@@ -8,6 +8,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper
 
 from trainbridge.tools.porting.apply import Applier, ensure_torch_npu_import
+from trainbridge.tools.porting.attention import insert_helpers, plan_attention
 from trainbridge.tools.porting.planner import Planner
 from trainbridge.tools.porting.results import ChangeKind, PortChange, PortResult, SkipCategory, Skipped
 
@@ -40,8 +41,10 @@ def port_source(code: str, relpath: str) -> PortResult:
     planner = Planner(relpath, wrapper.module, code)
     wrapper.visit(planner)
     plan = planner.plan
+    attention = plan_attention(wrapper, relpath, code, plan)  # FlexAttention / flash-attn -> npu_fusion_attention
     ported = wrapper.module.visit(Applier(plan))
     ported, anchor_line = ensure_torch_npu_import(wrapper.module, ported, plan)
+    ported = insert_helpers(ported, attention)
     changes = sorted(plan.changes, key=lambda c: c.line)
     if anchor_line is not None:
         changes.insert(0, PortChange(file=relpath, line=anchor_line, kind=ChangeKind.import_torch_npu, before="",
