@@ -23,8 +23,9 @@ class Applier(cst.CSTTransformer):
         updated = super().on_leave(original_node, updated_node)
         key = id(original_node)
         plan = self.plan
-        if key in plan.exprs:
-            return plan.exprs[key]
+        if key in plan.exprs:  # a node, a removal/flatten sentinel, or a function of the updated node
+            replacement = plan.exprs[key]
+            return replacement(updated) if callable(replacement) else replacement
         if key in plan.names and isinstance(updated, cst.Name):
             return updated.with_changes(value=plan.names[key])
         if key in plan.attrs and isinstance(updated, cst.Attribute):

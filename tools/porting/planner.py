@@ -12,6 +12,8 @@ import libcst as cst
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
 from trainbridge.tools.porting import npu_surface as surface
+from trainbridge.tools.porting.fp8 import plan_fp8
+from trainbridge.tools.porting.triton_kernels import plan_triton
 from trainbridge.tools.porting.results import ChangeKind, PortChange, SkipCategory, Skipped
 from trainbridge.tools.porting.rules import (
     BACKEND_MODULES,
@@ -29,7 +31,7 @@ from trainbridge.tools.porting.rules import (
 class Plan:
     names: dict[int, str] = field(default_factory=dict)  # Name node -> new identifier
     attrs: dict[int, str] = field(default_factory=dict)  # Attribute node -> new .attr
-    exprs: dict[int, cst.CSTNode] = field(default_factory=dict)  # node -> replacement node
+    exprs: dict[int, object] = field(default_factory=dict)  # node -> replacement node/sentinel, or fn(updated node)
     strings: dict[int, str] = field(default_factory=dict)  # SimpleString -> new code; FormattedStringText -> new text
     needs_npu_first: set[int] = field(default_factory=set)  # statements that need torch_npu imported before them
     statement_lines: dict[int, int] = field(default_factory=dict)  # top-level statement -> original line
@@ -131,6 +133,8 @@ class Planner(cst.CSTVisitor):
                 if ok:
                     self._skip(ref, SkipCategory.cuda_api, f"`{before}` reaches torch.cuda through a name TrainBridge "
                                "did not bind by import; replace it with torch.npu by hand", line=line)
+        plan_fp8(self)  # FP8 ops -> bf16 (fp8.py)
+        plan_triton(self)  # Triton launches -> the PyTorch ops their kernels compute (triton_kernels.py)
 
     # -- imports -----------------------------------------------------------------------------------
 
