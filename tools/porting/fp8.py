@@ -140,7 +140,13 @@ def plan_fp8(planner: PlannerView) -> None:
     for function in functions:
         if id(function) in parents:  # nested: its outermost def is the scope
             continue
-        if any(SCALED_MM in planner._qnames(call.func) for call in _walk(function).calls):
+        matmuls = [call for call in _walk(function).calls if SCALED_MM in planner._qnames(call.func)]
+        refused = [(call, why) for call in matmuls if (why := _portable(call)) is not None]
+        for call, why in refused:  # the whole function (and its fake) stays FP8: half a port would mix dtypes
+            planner._skip(call, SkipCategory.fp8, f"torch._scaled_mm left as it is, with the FP8 casts of `"
+                          f"{function.name.value}`: {why}. Replace it with a bf16 matmul by hand (torch_npu 2.14 has "
+                          "no FP8 matmul)")
+        if matmuls and not refused:
             scopes.append(function)
             owners[function.name.value] = function
             if (op := _custom_op_name(planner, function)) is not None:
@@ -149,19 +155,10 @@ def plan_fp8(planner: PlannerView) -> None:
         return
     scopes += [f for f in functions if id(f) not in parents and f not in scopes and _fake_of(planner, f) in owners]
     handled_lines: set[int] = set()
-    left_lines: set[int] = set()
     for scope in scopes:
         walked = _walk(scope)
-        for call in walked.calls:
-            if SCALED_MM not in planner._qnames(call.func):
-                continue
+        for call in (c for c in walked.calls if SCALED_MM in planner._qnames(c.func)):
             line = planner._line(call)
-            why = _portable(call)
-            if why is not None:
-                left_lines.add(line)
-                planner._skip(call, SkipCategory.fp8, f"torch._scaled_mm left as it is: {why}. Replace it with a bf16 "
-                              "matmul by hand (torch_npu 2.14 has no FP8 matmul)")
-                continue
             plan.exprs[id(call)] = lambda updated, module=module: _bf16_mm(updated, module)
             after = module.code_for_node(_bf16_mm(call, module))
             plan.changes.append(PortChange(file=planner.relpath, line=line, kind=ChangeKind.fp8_matmul,
@@ -176,5 +173,5 @@ def plan_fp8(planner: PlannerView) -> None:
             plan.changes.append(PortChange(file=planner.relpath, line=line, kind=ChangeKind.fp8_dtype,
                                            before=planner._code(ref), after="torch.bfloat16", review=PRECISION_REVIEW))
             handled_lines.add(line)
-    done = handled_lines - left_lines
-    plan.skipped[:] = [s for s in plan.skipped if not (s.category == SkipCategory.fp8 and s.line in done)]
+    plan.skipped[:] = [s for s in plan.skipped if not (s.category == SkipCategory.fp8 and s.line in handled_lines
+                                                       and "left as it is" not in s.reason)]
