@@ -235,6 +235,7 @@ def execute_channel(channel) -> None:
     from trainbridge.sandbox.backends import Backend
     from trainbridge.sandbox.guard import Guard
     from trainbridge.sandbox.child.step_server import StepServer
+    from trainbridge.sandbox.random_alignment import align as align_random
 
     request = channel.recv()
     result: dict[str, Any] = {"op": "result", "versions": {}, "failure": None}
@@ -248,6 +249,8 @@ def execute_channel(channel) -> None:
         for extra in request.get("pythonpath", []):
             sys.path.insert(0, str(root / extra))
         _prepare_device(backend)
+        if request.get("mode") == "gate":
+            align_random()  # compiled random ops draw eager's numbers on both sides (sandbox/random_alignment.py)
         guard = Guard().capture()  # before the workload's code runs: what it replaces shows in the result
         seed_everything(int(request["seed"]))
         parts = load_parts(root, request["entry"], backend.device, int(request["seed"]))

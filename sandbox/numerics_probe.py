@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from trainbridge.sandbox.evidence import save_evidence
+from trainbridge.sandbox.random_alignment import aligned_by
 
 _INT_VIEW_BY_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 
@@ -113,6 +114,7 @@ def run_numerics(parts: dict[str, Any], backend, request: dict[str, Any]) -> dic
         "unchanged_params": unchanged,
         "same_loss_object": same_object,
         "compiled": bool(spec.get("compile")),
+        "random_aligned": aligned_by(),
     }
 
 

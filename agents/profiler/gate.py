@@ -73,6 +73,7 @@ from trainbridge.sandbox.child.fork_server import SpawnKind
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
 from trainbridge.sandbox.runner import run_workload, run_workload_pair
 from trainbridge.sandbox.scratch import scratch_dir
+from trainbridge.sandbox.random_alignment import ALIGNED_NOTE
 from trainbridge.sandbox.child.step_driver import StepPlan
 from trainbridge.sandbox.evidence import EvidenceMismatch, load_evidence
 from trainbridge.sandbox.workload import Workload
@@ -422,6 +423,7 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
                                          candidate_grads=cand.grads or {})
         else:
             numerics = compare_numerics(base.report, cand.report, tolerance, baseline_grads=base.grads, candidate_grads=cand.grads)
+        numerics = with_random_note(numerics, base.report, cand.report)
         if index == 0:
             state["numerics"] = numerics
         if found:
@@ -545,6 +547,13 @@ def judge_timed(index: int, base: SideRun, cand: SideRun, tolerance: NumericsTol
     findings = check_timed_losses(index, timed_base, timed_cand, tolerance.timed_loss_rtol, tolerance.loss_atol)
     return findings or check_timed_deltas(index, base.unchanged or [], cand.unchanged or [], base.deltas or {}, cand.deltas or {},
                                           tolerance.timed_delta_cosine_min, tolerance.timed_delta_norm_rtol, noise)
+
+
+def with_random_note(numerics: NumericsResult, *reports: ProbeReport | None) -> NumericsResult:
+    """`numerics` saying how random ops were aligned, where a side compiled a graph (sandbox/random_alignment.py)."""
+    if not any(report is not None and report.random_aligned for report in reports):
+        return numerics
+    return numerics.model_copy(update={"message": f"{numerics.message}; {ALIGNED_NOTE}"})
 
 
 def _failure_message(failure: Failure, where: str) -> str:

@@ -33,6 +33,8 @@ class ProbeReport(BaseModel):
     unchanged_params: list[list[str]] = Field(description="per step: trainable parameters whose bits the step left unchanged")
     same_loss_object: list[bool] = Field(description="per step: train_step returned an object it had returned before")
     compiled: bool = False
+    random_aligned: str | None = Field(default=None, description="how random ops were aligned with the baseline's when "
+                                       "they mattered (sandbox/random_alignment.py), e.g. 'inductor_fallback_random'")
 
     @classmethod
     def from_run(cls, result: RunResult) -> "ProbeReport":

@@ -37,8 +37,10 @@ from typing import Any
 
 from trainbridge.sandbox.evidence import save_evidence
 from trainbridge.sandbox.numerics_probe import bits_fingerprint
+from trainbridge.sandbox.random_alignment import aligned_by
 from trainbridge.sandbox.child.step_server import save_parameter_deltas
 from trainbridge.sandbox.device_kernels import KernelCounter, step_reply_field
+from trainbridge.sandbox.script.library_steps import find_closure, real_optimizers, replay, with_closure
 
 
 
@@ -77,7 +79,7 @@ def tracked_params() -> list[tuple[str, Any]]:
     import torch
 
     objects = live_objects()
-    optimizers, modules = _instances(objects, torch.optim.Optimizer), _instances(objects, torch.nn.Module)
+    optimizers, modules = real_optimizers(_instances(objects, torch.optim.Optimizer)), _instances(objects, torch.nn.Module)
     children = {id(child) for module in modules for child in module.children()}
     names: dict[int, str] = {}
     used: set[str] = set()
@@ -102,10 +104,11 @@ def tracked_params() -> list[tuple[str, Any]]:
 
 
 def live_optimizers() -> list[Any]:
-    """Every live optimizer, in order of creation."""
+    """Every live optimizer, in order of creation; a wrapper that never ran `Optimizer.__init__` (accelerate's) is left
+    out, the optimizer it wraps is listed (sandbox/script/library_steps.py)."""
     import torch
 
-    return _instances(live_objects(), torch.optim.Optimizer)
+    return real_optimizers(_instances(live_objects(), torch.optim.Optimizer))
 
 
 def trained_root_modules() -> list[Any]:
@@ -113,7 +116,7 @@ def trained_root_modules() -> list[Any]:
     import torch
 
     objects = live_objects()
-    held = {id(p) for o in _instances(objects, torch.optim.Optimizer) for g in o.param_groups for p in g["params"]}
+    held = {id(p) for o in real_optimizers(_instances(objects, torch.optim.Optimizer)) for g in o.param_groups for p in g["params"]}
     modules = _instances(objects, torch.nn.Module)
     children = {id(child) for module in modules for child in module.children()}
     return [root for root in modules if id(root) not in children and any(id(p) in held for p in root.parameters())]
@@ -184,7 +187,7 @@ class _Probe:
                 "no_grad_params": [name for name, p in self.params if p.requires_grad and name not in self.grads],
                 "grad_loss": self.losses[0], "losses": self.losses, "batch_hashes": [None] * steps, "batch_repeatable": False,
                 "batch_mutated_by_step": [False] * steps, "unchanged_params": self.unchanged, "same_loss_object": self.same_object,
-                "compiled": False}
+                "compiled": False, "random_aligned": aligned_by()}
 
 
 @dataclass
@@ -225,10 +228,15 @@ class StepController:
         self.marked: dict[str, Any] | None = None
         self.optimizer_count = 0
         self.in_backward = False
+        self.closure_depth = 0  # inside an optimizer's closure (optimizer.step(closure)): its backward is no boundary
+        self.closure_loss = True  # whether the closure's backward gives the step's loss (not LBFGS's re-evaluations)
 
     # --- hooks ---------------------------------------------------------------------------------
     def on_backward(self, tensors) -> None:
-        if not self.started:
+        if self.closure_depth:  # inside optimizer.step(closure): the step began at the optimizer's pre-hook
+            if not self.closure_loss:
+                return
+        elif not self.started:
             self._first_boundary()
         elif self.stepped:
             self._boundary()
@@ -239,15 +247,35 @@ class StepController:
                 self.loss_parts.append(tensor)
                 self.loss_values.append(tensor.detach().clone())
 
-    def on_optimizer_pre(self, optimizer, args, kwargs) -> None:
+    def on_optimizer_pre(self, optimizer, args, kwargs) -> tuple[tuple, dict] | None:
         if not self.started:
             self._first_boundary()
         elif any(optimizer is seen for seen in self.stepped):
             self._boundary()
+        replaced = None
+        closure = find_closure(optimizer, args, kwargs)
+        if closure is not None:  # optimizer.step(closure) (Lightning): forward and backward run now, before the update
+            first = self._run_closure(closure, loss=True)
+            replaced = with_closure(args, kwargs, replay(first, closure, lambda again: self._run_closure(again, loss=False)))
         if self.probe is not None and not self.probe.losses:
             self.probe.capture(optimizer)
         self.stepped.append(optimizer)
         self.optimizer_count = max(self.optimizer_count, len(self.stepped))
+        return replaced
+
+    def _run_closure(self, closure, *, loss: bool):
+        """Run an optimizer's closure as its step would (gradients enabled); `loss`: its backward is the step's loss."""
+        import torch
+
+        saved = self.closure_loss
+        self.closure_depth += 1
+        self.closure_loss = loss
+        try:
+            with torch.enable_grad():
+                return closure()
+        finally:
+            self.closure_depth -= 1
+            self.closure_loss = saved
 
     def script_ended(self) -> None:
         """The script returned: its last step ends here; then only `mark`, `final` and `exit` can be answered."""
@@ -352,23 +380,28 @@ class StepController:
         start, steps = int(self.profile["start"]), int(self.profile["steps"])
         if start <= self.step_commands < start + steps:
             if self.recorder is None:
-                from trainbridge.tools.eager_profile import BoundaryRecorder
-
-                self.recorder = BoundaryRecorder(self.repo_root)
+                self.hook_recorder()
             self.recorder.start()
+
+    def hook_recorder(self) -> None:
+        """Harness mode "profile": the recorder of eager ops, its optimizer-step hooks registered now (after the controller's:
+        a closure runs in the controller's pre-hook, before the recorder counts the optimizer phase; and a boundary at a
+        pre-hook must not register hooks while PyTorch iterates them)."""
+        from trainbridge.tools.eager_profile import BoundaryRecorder
+
+        self.recorder = BoundaryRecorder(self.repo_root)
+        self.recorder.hook()
 
     def eager_ops(self) -> dict[str, Any] | None:
         """The recorded table (JSON) and the optimizer class, for the closing result; None when nothing was recorded."""
-        if self.recorder is None:
+        if self.recorder is None or not self.recorder.started:
             return None
         params = tracked_params()
         device = str(params[0][1].device) if params else self.backend.device
         start = int(self.profile["start"])
         timed = [t * 1e6 for t in self.inner_times_s[int(self.profile.get("timed_from", 0)):start]]
         table = self.recorder.table(backend=self.backend.name, device=device, step_times_us=timed)
-        import torch
-
-        optimizers = _instances(live_objects(), torch.optim.Optimizer)
+        optimizers = live_optimizers()
         return {"eager_ops": table.model_dump(mode="json"), "optimizer_class": type(optimizers[0]).__name__ if optimizers else None}
 
     def _ended_early(self, what: str) -> dict[str, Any]:
@@ -419,3 +452,5 @@ def install_step_hooks(controller: StepController) -> None:
     torch.Tensor.backward = backward
     torch.autograd.backward = backward_function
     register_optimizer_step_pre_hook(controller.on_optimizer_pre)
+    if controller.profile is not None:
+        controller.hook_recorder()

@@ -207,6 +207,7 @@ def execute(channel) -> None:
     from trainbridge.sandbox.harness import classify, versions
     from trainbridge.sandbox.script.hooks import ScriptFailure, StepController, install_step_hooks
     from trainbridge.sandbox.script.seeds import SeedControl
+    from trainbridge.sandbox.random_alignment import align as align_random
     from trainbridge.sandbox.script.overrides import OverridePlan, apply_argv, install
     from trainbridge.sandbox.script.launch import single_torchrun_env
 
@@ -230,8 +231,9 @@ def execute(channel) -> None:
             if state["backend"] is not None:
                 result["peak_memory_bytes"] = state["backend"].peak_memory_bytes()
             controller, seeds = state["controller"], state["seeds"]
-            if controller is not None and failure is None and controller.recorder is not None:
-                result["extra"] = controller.eager_ops()
+            eager = controller.eager_ops() if controller is not None and failure is None else None
+            if eager is not None:  # harness mode "profile", once a step was recorded
+                result["extra"] = eager
             if evidence:
                 result["extra"] = {**(result.get("extra") or {}), **evidence}
             result["script"] = {"steps_done": controller.steps_done if controller else 0,
@@ -255,6 +257,8 @@ def execute(channel) -> None:
         backend = state["backend"] = Backend(request["backend"])
         torch.set_num_threads(int(request["threads"]))
         backend.prepare()
+        if request.get("mode") == "gate":
+            align_random()  # compiled random ops draw eager's numbers on both sides (sandbox/random_alignment.py)
         root = Path(request["root"])
         spec = request["launch"]
         install_write_guard(request.get("protected", []), request.get("replaceable", []))
