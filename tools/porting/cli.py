@@ -208,6 +208,11 @@ def render_markdown(outcome: PortOutcome) -> str:
         lines += [f"| `{c.file}:{c.line}` | {c.kind} | `{_cell(c.before)}` | `{_cell(c.after)}` |"
                   for c in result.changes]
         lines.append("")
+    reviewed = [c for c in result.changes if c.review]
+    if reviewed:
+        lines += ["## To review: precision and behaviour notes", "", "| location | kind | note |", "|---|---|---|"]
+        lines += [f"| `{c.file}:{c.line}` | {c.kind} | {_cell(c.review)} |" for c in reviewed]
+        lines.append("")
     return "\n".join(lines)
 
 
