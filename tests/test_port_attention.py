@@ -109,6 +109,15 @@ def test_the_rewritten_lines_read_as_expected():
     assert "y = _tb_npu_flash_attn_varlen(q[0], k[0], v[0], cu_seqlens_q=seqlens" in hub
 
 
+def test_the_port_report_lists_the_notes_to_review(tmp_path):
+    from trainbridge.tools.porting.cli import render_markdown, run_port
+
+    report = render_markdown(run_port(FIXTURES, dry_run=True))
+    notes = report[report.index("## To review"):]
+    assert "| `flex_kv_blocks.py:34` | flex_block_mask | behaviour change: the block-granular window" in notes
+    assert "| `fa3_hub_varlen.py:12` | flash_attention | npu_fusion_attention: scale = softmax_scale" in notes
+
+
 ARBITRARY = '''import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 

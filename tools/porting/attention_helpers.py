@@ -105,15 +105,14 @@ def _tb_npu_flex_attention(query, key, value, score_mod=None, block_mask=None, s
     if mask.window is not None and query.shape[-2] != key.shape[-2]:
         raise NotImplementedError("a windowed flex_attention with query and key lengths that differ has no "
                                   "npu_fusion_attention band with FlexAttention's top-left origin: port it by hand")
-    if mask.ends is None:
-        out = _tb_npu_band_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), "BSND",
-                                     scale, left, right, True)
-        return out.transpose(1, 2)
+    if mask.ends is None:  # [B, H, S, D] of records is a transposed [B, S, H, D]: BSND reads it without a copy
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
+        return _tb_npu_band_attention(q, k, v, "BSND", scale, left, right, True).transpose(1, 2)
     if query.shape[0] != 1 or mask.ends[-1] != query.shape[-2]:
         raise ValueError(f"a document mask over {mask.ends[-1]} tokens needs batch size 1 and that many queries, got "
                          f"query {tuple(query.shape)}")
-    out = _tb_npu_band_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), "TND",
-                                 scale, left, right, True, mask.ends, mask.ends)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    out = _tb_npu_band_attention(q, k, v, "TND", scale, left, right, True, mask.ends, mask.ends)
     return out.transpose(0, 1).unsqueeze(0)
 
 
