@@ -4,11 +4,14 @@ Kernels are recognised by what they do, not by name: `triton_math.derive` reads 
 (loads, tl.dot, elementwise math, stores) against the launch's arguments, so a renamed copy in another record ports
 the same way. The launch statement is replaced (the launcher keeps its signature, asserts, allocation and return);
 its `grid` lambda goes with it. A kernel, jit helper or autotune-config function no longer launched or named anywhere
-is deleted; then the `import triton` lines go, or are guarded when the file still reads `triton.__version__`, so the
-ported file imports without Triton. A launch whose kernel cannot be derived stays, reported at its line with why.
+is deleted; then the `import triton` lines go, or are guarded when the file still reads `triton.__version__` (None
+without Triton), so the ported file imports without Triton. A launch whose kernel cannot be derived stays, reported
+at its line with why.
 """
 
 from __future__ import annotations
+
+import re
 
 import libcst as cst
 from libcst.metadata import PositionProvider
@@ -16,12 +19,13 @@ from libcst.metadata import PositionProvider
 from trainbridge.tools.porting.fp8 import PlannerView
 from trainbridge.tools.porting.results import ChangeKind, PortChange, SkipCategory
 from trainbridge.tools.porting.rules import dotted
-from trainbridge.tools.porting.triton_math import NotDerived, derive, formula_agrees, launch_args
+from trainbridge.tools.porting.triton_math import NotDerived, derive
 
 GUARDED_IMPORT = ("try:  # TrainBridge: the NPU port launches no Triton kernel; triton is only read for its version\n"
                   "    import triton\n"
                   "except ImportError:\n"
-                  "    triton = None\n")
+                  "    from types import SimpleNamespace\n\n"
+                  "    triton = SimpleNamespace(__version__=None)  # no Triton here: its version reads None\n")
 DERIVED_REVIEW = (
     "derived by TrainBridge from the kernel's tl ops (loads, tl.dot, elementwise math, stores; the block tiling is not "
     "traced): {math}.{docstring}{symmetric} Review that the launch covers the whole tensors")
@@ -134,6 +138,9 @@ def plan_triton(planner: PlannerView) -> None:
             if statement is None or len(statement.body) != 1 or not isinstance(statement.body[0], cst.Expr) \
                     or statement.body[0].value is not launch:
                 raise NotDerived("the launch is not a statement of its own (its result is used)", launch)
+            if not _imports_torch(module):
+                raise NotDerived("the file has no top-level `import torch` for the PyTorch ops that would replace it",
+                                 launch)
             derived = derive(kernel, launch_args(kernel, launch, module))
         except NotDerived as why:
             where = planner._line(why.node) if why.node is not None else planner._line(kernel)
@@ -167,6 +174,12 @@ def plan_triton(planner: PlannerView) -> None:
     spans = [_span(planner, node) for node in removed]
     plan.skipped[:] = [s for s in plan.skipped if not (
         s.category == SkipCategory.triton and (s.line in ported_lines or any(a <= s.line <= b for a, b in spans)))]
+
+
+def _imports_torch(module: cst.Module) -> bool:
+    return any(isinstance(small, cst.Import) and any(dotted(a.name) == "torch" and a.asname is None for a in small.names)
+               for statement in module.body if isinstance(statement, cst.SimpleStatementLine)
+               for small in statement.body)
 
 
 def _explain(planner: PlannerView, line: int, reason: str) -> None:
@@ -254,19 +267,37 @@ def _drop_imports(planner: PlannerView, gone: set[int]) -> None:
         if uses and statement is plain:
             planner.plan.exprs[id(statement)] = cst.parse_statement(GUARDED_IMPORT).with_changes(
                 leading_lines=statement.leading_lines)
-            after = "try: import triton / except ImportError: triton = None"
+            after = "try: import triton / except ImportError: triton = SimpleNamespace(__version__=None)"
         else:
             planner.plan.exprs[id(statement)] = cst.RemovalSentinel.REMOVE
             after = ""
         planner.plan.changes.append(PortChange(file=planner.relpath, line=planner._line(statement),
                                                kind=ChangeKind.triton_import, before=before, after=after))
         gone.add(id(statement))
-    for _, node, _ in uses:
-        attribute = planner._parent(node)
-        planner.plan.exprs[id(attribute)] = cst.parse_expression('getattr(triton, "__version__", None)')
-        planner.plan.changes.append(PortChange(file=planner.relpath, line=planner._line(node),
-                                               kind=ChangeKind.triton_import, before="triton.__version__",
-                                               after='getattr(triton, "__version__", None)'))
     lines = {planner._line(s) for s, _ in imports}
     planner.plan.skipped[:] = [s for s in planner.plan.skipped
                                if not (s.category == SkipCategory.triton and s.line in lines)]
+
+
+def launch_args(kernel: cst.FunctionDef, launch: cst.Call, module: cst.Module) -> dict[str, str]:
+    """Kernel param -> the code of the argument the launch passes for it (positional in parameter order)."""
+    params = [p.name.value for p in kernel.params.params]
+    args: dict[str, str] = {}
+    for index, arg in enumerate(launch.args):
+        if arg.star:
+            raise NotDerived("the launch unpacks *args/**kwargs", launch)
+        name = arg.keyword.value if arg.keyword is not None else (params[index] if index < len(params) else None)
+        if name is not None:
+            args[name] = module.code_for_node(arg.value).strip()
+    return args
+
+
+def formula_agrees(docstring: str | None, math: str) -> bool | None:
+    """Does the launcher's docstring formula (`... compute C = <formula>`) say `math`? None when it has none."""
+    if not docstring:
+        return None
+    match = re.search(r"=\s*([^\n=]+)$", docstring.strip(), re.MULTILINE)
+    if not match:
+        return None
+    norm = lambda s: re.sub(r"[\s()]", "", s).replace(".mT", ".T")  # noqa: E731
+    return norm(match.group(1)) == norm(math)

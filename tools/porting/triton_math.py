@@ -324,8 +324,9 @@ class _Kernel:
                 if op is None:
                     raise NotDerived("an augmented assignment this pass does not read", small)
                 right = self.value(small.value)
-                self.values[target.value] = Bin(op, self.values[target.value],
-                                                right if right is not None else self.scalar(small.value))
+                right = right if right is not None else self.scalar(small.value)
+                left = self.values[target.value]
+                self.values[target.value] = _add(left, right) if op == "+" else Bin(op, left, right)
         elif isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
             call = small.value
             if dotted(call.func) in ("tl.store",):
@@ -375,8 +376,7 @@ def _math(expr: object, args: dict[str, str]) -> str:
         left, right = expr.left, expr.right
         if expr.op == "*" and isinstance(right, (Param, Const)) and not isinstance(left, (Param, Const)):
             left, right = right, left  # scalars first
-        text = f"{_math(left, args)} {expr.op} {_math(right, args)}"
-        return text if expr.op in "+-" else text
+        return f"{_math(left, args)} {expr.op} {_math(right, args)}"
     if isinstance(expr, Fn):
         return f"{expr.name.split('.')[-1]}({', '.join(_math(a, args) for a in expr.args)})"
     if isinstance(expr, Param):
@@ -488,27 +488,3 @@ def _children(expr: object) -> tuple:
     if isinstance(expr, Transposed):
         return (expr.value,)
     return ()
-
-
-def launch_args(kernel: cst.FunctionDef, launch: cst.Call, module: cst.Module) -> dict[str, str]:
-    """Kernel param -> the code of the argument the launch passes for it (positional in parameter order)."""
-    params = [p.name.value for p in kernel.params.params]
-    args: dict[str, str] = {}
-    for index, arg in enumerate(launch.args):
-        if arg.star:
-            raise NotDerived("the launch unpacks *args/**kwargs", launch)
-        name = arg.keyword.value if arg.keyword is not None else (params[index] if index < len(params) else None)
-        if name is not None:
-            args[name] = module.code_for_node(arg.value).strip()
-    return args
-
-
-def formula_agrees(docstring: str | None, math: str) -> bool | None:
-    """Does the launcher's docstring formula (`... compute C = <formula>`) say `math`? None when it has none."""
-    if not docstring:
-        return None
-    match = re.search(r"=\s*([^\n=]+)$", docstring.strip(), re.MULTILINE)
-    if not match:
-        return None
-    norm = lambda s: re.sub(r"[\s()]", "", s).replace(".mT", ".T")  # noqa: E731
-    return norm(match.group(1)) == norm(math)
