@@ -10,7 +10,8 @@ The shrink profile is one set of `[overrides]` (sandbox/script/overrides.py: mod
 and dataclass field defaults, keywords forced on a call) shared by the records that use the same names; the
 records differ in three naming generations, so there are three profiles, and per-record overrides only where a
 record's names differ from its generation's. All run as one process under `torchrun --nproc_per_node=1` (the
-records' own launch line is `--nproc_per_node=8`); `nvidia-smi`, which every record logs, is run as /bin/true.
+records' own launch line is `--nproc_per_node=8`); `nvidia-smi`, which every record logs, is run as /bin/true, and
+the records' own torch.compile calls are disabled (below, _COMMON).
 """
 
 from __future__ import annotations
@@ -23,8 +24,14 @@ MEASURE_PLAN = {"warmup_steps": 1, "steps": 3, "timeout_s": 900}
 SHRUNK_VOCAB = 1024  # early records: the model's vocabulary and the shards' token range (5x less step time here)
 FULL_VOCAB = 50257  # later records align batches to <|endoftext|> (50256), so their vocabulary stays
 
-# every record: val off (its val loader still opens the val shard), no checkpoint, nvidia-smi harmless
-_COMMON: dict[str, Any] = {"run(executable)": "/bin/true"}
+# every record: nvidia-smi (which each record logs) run as /bin/true, and the record's own torch.compile calls
+# disabled (`torch.compile(..., disable=True)` returns the model or function as it is). The port reports each
+# torch.compile as blocking (Inductor has no NPU target; the playbook makes compile the last resort), and under the
+# NPU emulation a compiled model's fused torch_npu rewrites fail in Dynamo ("InternalTorchDynamoError:
+# AttributeError: 'NpuTensor' object has no attribute '_host'", torch_npu/_device_backend.py NpuTensor.__new__), so
+# the records run eagerly on the emulated NPU; the compile reference is then Inductor on the host CPU compiling the
+# modules the optimizers train. A bare `@torch.compile` decorator (no call) stays.
+_COMMON: dict[str, Any] = {"run(executable)": "/bin/true", "compile(disable)": True}
 
 # records 4-10: `Hyperparameters` dataclass, `GPT(GPTConfig(vocab_size=num_vocab, n_layer=12, n_head=..., n_embd=768))`
 EARLY: dict[str, Any] = {
