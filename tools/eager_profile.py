@@ -220,15 +220,27 @@ class BoundaryRecorder:
         self.profiled_step_times_us: list[float] = []
         self.steps = 0
 
-    def start(self) -> None:
-        """At a step boundary: record from here (a step already being recorded ends first)."""
+    @property
+    def started(self) -> bool:
+        """Whether a step was recorded (`start` ran)."""
+        return self._wall_started is not None
+
+    def hook(self) -> None:
+        """Register the global optimizer-step hooks that mark the optimizer phase (once; `start` does it when not done):
+        a caller whose boundaries fall inside an optimizer-step hook registers them before, since PyTorch iterates the
+        hooks while it calls them."""
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        if self._started_at is not None:
-            self.stop()
         if not self._handles:
             self._handles = [register_optimizer_step_pre_hook(self._recorder._enter_step),
                              register_optimizer_step_post_hook(self._recorder._leave_step)]
+
+    def start(self) -> None:
+        """At a step boundary: record from here (a step already being recorded ends first)."""
+        if self._started_at is not None:
+            self.stop()
+        self.hook()
+        if self._wall_started is None:
             self._wall_started = time.perf_counter()
         self._recorder.begin_step(self.steps)
         self._recorder.__enter__()

@@ -9,7 +9,10 @@ The user's script runs unmodified; these hooks find its training step:
 - **Step boundaries.** PyTorch's global optimizer-step hooks see every optimizer the script makes.
   A step ends when its last optimizer has stepped, which shows as the next backward beginning or
   an optimizer that already stepped stepping again (several optimizers per step included); the
-  script's end closes the last step.
+  script's end closes the last step. Library loops (sandbox/script/library_steps.py): an optimizer
+  wrapper that never ran `Optimizer.__init__` (accelerate's, under transformers' Trainer) is left out
+  of the optimizers listed; an `optimizer.step(closure)` (Lightning) has its closure run in the
+  step's pre-hook, so its backward is the step's loss and its gradients are there for the probe.
 
 At each boundary the `StepController` answers the parent's pending command (sandbox/child/step_server.py's
 protocol: the `step` reply carries the loss and the child's own time) and blocks reading the next

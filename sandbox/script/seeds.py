@@ -1,7 +1,8 @@
 """Script mode's seeds: every seeding call of the script under the gate's seed (runs INSIDE the sandbox child).
 
-`torch.manual_seed`, `torch.cuda.manual_seed(_all)`, `random.seed`, `numpy.random.seed` and
-`numpy.random.default_rng` are wrapped before the script runs: each call the script makes gets a
+`torch.manual_seed`, `torch.cuda.manual_seed(_all)`, `torch.npu.manual_seed(_all)` (once torch_npu is imported),
+`random.seed`, `numpy.random.seed` and `numpy.random.default_rng` are wrapped before the script runs (library seeders
+such as transformers' and accelerate's `set_seed` and Lightning's `seed_everything` call these): each call the script makes gets a
 seed derived from the gate's seed and the script's own value (`derive_seed`), so runs with the same
 gate seed see the same data order and a candidate cannot know its seed in advance; two seeds the
 script keeps apart (`1337 + rank`) stay apart. A call without a value (`random.seed()`) gets one
@@ -46,6 +47,10 @@ class SeedControl:
         for name in ("manual_seed", "manual_seed_all"):
             if hasattr(torch.cuda, name):
                 self._wrap(torch.cuda, name, f"torch.cuda.{name}", SEED_BOUND)
+        npu = getattr(torch, "npu", None)  # torch_npu's, once imported (the npu backend imports it before the script runs):
+        for name in ("manual_seed", "manual_seed_all"):  # library seeders (transformers', accelerate's set_seed) call it too
+            if npu is not None and hasattr(npu, name):
+                self._wrap(npu, name, f"torch.npu.{name}", SEED_BOUND)
         self._wrap(random, "seed", "random.seed", SEED_BOUND, keep_none=True)
         try:
             import numpy
