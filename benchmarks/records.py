@@ -72,8 +72,8 @@ def _why(summary: dict[str, Any], run_json: dict[str, Any], failure: Path) -> st
 
 
 def run_record(source: RecordSource, mirror: Path, work: Path, home: Path, *, budget_s: float, max_candidates: int,
-               gate_rounds: int, say: Say = print) -> dict[str, Any]:
-    """One record through port and run; the row of the results page."""
+               gate_rounds: int, categories: tuple[str, ...] = (), say: Say = print) -> dict[str, Any]:
+    """One record through port and run (only intents of `categories` when given); the row of the results page."""
     started = time.monotonic()
     row: dict[str, Any] = {"record": source.number, "name": source.name, "folder": source.folder,
                            "published_speedup": source.published_speedup, "ported": False, "not_ported": [],
@@ -93,7 +93,7 @@ def run_record(source: RecordSource, mirror: Path, work: Path, home: Path, *, bu
     json_path = work / f"record-{source.number}" / "run.json"
     run = run_loop(repo, run_id, home, budget_s=budget_s, max_candidates=max_candidates, gate_rounds=gate_rounds,
                    target="npu", say=lambda line: say(f"  r{source.number} {line.strip()}"),
-                   extra_args=("--json", str(json_path)))
+                   extra_args=("--json", str(json_path), *(a for c in categories for a in ("--category", c))))
     summary = summarise(f"record {source.number}", run, repo)
     run_json = json.loads(json_path.read_text(encoding="utf-8")) if json_path.exists() else {}
     baseline_s = (run["state"] or {}).get("baseline_step_s")
@@ -111,11 +111,12 @@ def run_record(source: RecordSource, mirror: Path, work: Path, home: Path, *, bu
 
 
 def run_records(sources: list[RecordSource], mirror: Path, work: Path, home: Path, *, slots: int, budget_s: float,
-                max_candidates: int, gate_rounds: int, say: Say = print) -> list[dict[str, Any]]:
+                max_candidates: int, gate_rounds: int, categories: tuple[str, ...] = (),
+                say: Say = print) -> list[dict[str, Any]]:
     """Every record in `sources`, `slots` at a time (each run's gates use the run's own `threads`)."""
     def one(source: RecordSource) -> dict[str, Any]:
         return run_record(source, mirror, work, home / f"record-{source.number}", budget_s=budget_s,
-                          max_candidates=max_candidates, gate_rounds=gate_rounds, say=say)
+                          max_candidates=max_candidates, gate_rounds=gate_rounds, categories=categories, say=say)
 
     with ThreadPoolExecutor(max_workers=max(1, slots)) as pool:
         return list(pool.map(one, sources))
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=1800, help="each run's --budget in seconds (default 1800)")
     parser.add_argument("--max-candidates", type=int, default=12, help="each run's --max-candidates (default 12)")
     parser.add_argument("--rounds", type=int, default=6, help="each run's --rounds (default 6)")
+    parser.add_argument("--category", action="append", default=[], help="only intents of this category (repeatable; "
+                        "default: all)")
     parser.add_argument("--home", type=Path, default=None, help="TRAINBRIDGE_HOME for the runs (default: a temporary one)")
     parser.add_argument("--out", type=Path, default=None, help="results path without suffix "
                         "(default benchmarks/results/<date>-records)")
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="trainbridge-records-") as tmp:
         home = args.home or Path(tmp) / "home"
         rows = run_records(sources, args.mirror.resolve(), Path(tmp), home, slots=args.slots, budget_s=args.budget,
-                           max_candidates=args.max_candidates, gate_rounds=args.rounds)
+                           max_candidates=args.max_candidates, gate_rounds=args.rounds, categories=tuple(args.category))
     if args.merge:
         rows = merge(out.with_suffix(".json"), rows)
     for r in rows:

@@ -126,7 +126,8 @@ _LATE_27 = {"GPT(head_dim)": None, "Hyperparameters.train_batch_size": None, "Hy
 
 RECORDS: tuple[RecordSource, ...] = (
     RecordSource(2, "AdamW rotary lr", "2024-06-06_AdamW", "train_gpt2.py", 1.58, script="train_gpt2.py",
-                 profile="argparse", launch_args=_RECORD2_ARGS, overrides={"run(executable)": None}, commit="09a49d4af4804af92d14216b43136f5510a8fba8",
+                 profile="argparse", launch_args=_RECORD2_ARGS, overrides={"run(executable)": None},
+                 commit="09a49d4af4804af92d14216b43136f5510a8fba8",
                  note="its log (f66d43d7-....log) holds no code: the script is train_gpt2.py of the repository's "
                       "last commit of 2024-06-06 (09a49d4a), launched with that commit's run.sh arguments"),
     RecordSource(4, "Muon improvements", "2024-10-10_Muon", "eb5659d0-fb6a-49e5-a311-f1f89412f726.txt", 1.28,
