@@ -43,7 +43,7 @@ from trainbridge.sandbox.numerics_probe import bits_fingerprint
 from trainbridge.sandbox.random_alignment import aligned_by
 from trainbridge.sandbox.child.step_server import save_parameter_deltas
 from trainbridge.sandbox.device_kernels import KernelCounter, step_reply_field
-from trainbridge.sandbox.script.library_steps import find_closure, real_optimizers, replay, with_closure
+from trainbridge.sandbox.script.library_steps import find_closure, real_optimizers, replay, run_longer_override, with_closure
 
 
 
@@ -410,7 +410,7 @@ class StepController:
     def _ended_early(self, what: str) -> dict[str, Any]:
         return {"kind": "bad_workload", "step": self.steps_done,
                 "message": f"the script finished after {self.steps_done} optimizer step(s), before {what}: the plan needs more "
-                           "steps. Let it run longer, e.g. [overrides] \"--max_iters\" = 1000 (or the constant that bounds its loop)"}
+                           f"steps. Let it run longer, e.g. [overrides] {run_longer_override()} (or the setting that bounds its loop)"}
 
     def _mark(self) -> dict[str, Any]:
         import torch

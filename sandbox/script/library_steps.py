@@ -60,6 +60,18 @@ def replay(first_result: Any, closure: Callable[[], Any], again: Callable[[Calla
     return closure_for_step
 
 
+def run_longer_override() -> str:
+    """The `[overrides]` line that lets a script that ended too early run longer, in its loop's own terms: a library
+    trainer's `max_steps` argument when one is loaded, else a command-line argument."""
+    import sys
+
+    if "transformers.trainer" in sys.modules:
+        return '"TrainingArguments(max_steps)" = 1000'
+    if "pytorch_lightning.trainer" in sys.modules or "lightning.pytorch.trainer" in sys.modules:
+        return '"Trainer(max_steps)" = 1000'
+    return '"--max_iters" = 1000'
+
+
 def _takes_closure_first(optimizer: Any) -> bool:
     """Whether the optimizer's `step` takes the closure as its first parameter (torch's optimizers do)."""
     try:

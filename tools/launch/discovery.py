@@ -10,7 +10,8 @@ Evidence, strongest first: a command in a README's shell code block, in a shell 
 code of a markdown file; then a Python file that runs as a script (an `if __name__ == "__main__"`
 block or module-level code), builds an optimizer and calls `.backward()` (itself, or in a module of
 the repository it imports, such as an engine.py; or it calls into a module of the repository that does
-both, such as a Trainer object whose run() trains), with no launch line written anywhere. Without CUDA on
+both, such as a Trainer object whose run() trains; or a library's trainer runs its loop, such as
+`transformers.Trainer(...).train()` or Lightning's `Trainer(...).fit(...)`), with no launch line written anywhere. Without CUDA on
 the host, a line naming the CPU (`--device=cpu`) goes before the lines of its score. A line only counts when its script is in the repository and trains; a script that
 runs but never steps an optimizer (it evaluates, samples, prepares data) is a near miss, reported
 with what it lacks. Everything is read from files (markdown, shell, Python through `ast`): nothing
@@ -29,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from trainbridge.tools.launch.not_inputs import not_an_input
 from trainbridge.tools.git.ignore_rules import IgnoreRules
 from trainbridge.tools.launch.lines import ParsedLaunch, lines_in_markdown, lines_in_shell, parse_launch
-from trainbridge.tools.launch.script_facts import SIZE_NAMES, ScriptFacts, SettingHint, read_script_facts
+from trainbridge.tools.launch.script_facts import LIBRARY_SETTING_CALLS, SIZE_NAMES, ScriptFacts, SettingHint, read_script_facts
 
 _SKIPPED_DIRS = {".git", ".venv", "venv", "env", "node_modules", "__pycache__", "site-packages", "build", "dist",
                  ".tox", ".mypy_cache", ".pytest_cache", "wandb"}
@@ -156,6 +157,9 @@ def discover_launch(repo: Path, *, cuda: bool = True) -> Discovery:
             return None
         if script_facts.optimizer_lines and script_facts.backward_lines:
             return f"{rel} builds an optimizer and calls .backward()"
+        if script_facts.library_trainer:  # transformers' Trainer, Lightning's: the library steps the optimizer
+            return (f"{rel} runs {script_facts.library_trainer} ({rel}:{script_facts.library_trainer_line}), whose loop builds "
+                    "the optimizer and calls .backward()")
         if script_facts.optimizer_lines:
             for module in script_facts.imports:
                 imported = _module_file(root, rel, module)
@@ -344,6 +348,9 @@ def _describe_best(discovery: Discovery, root: Path, facts_of) -> None:
         for callee, keyword, value, line in facts.call_keywords:
             field_setting = settings.get(keyword)
             if field_setting is not None and field_setting.key == f"{callee}.{keyword}":
+                settings[keyword] = Setting(name=keyword, value=value, kind="call keyword", where=f"{facts.path}:{line}",
+                                            key=f"{callee}({keyword})")
+            elif field_setting is None and callee in LIBRARY_SETTING_CALLS and keyword in SIZE_NAMES:  # TrainingArguments(max_steps=...)
                 settings[keyword] = Setting(name=keyword, value=value, kind="call keyword", where=f"{facts.path}:{line}",
                                             key=f"{callee}({keyword})")
     order = {name: i for i, name in enumerate(SIZE_NAMES)}

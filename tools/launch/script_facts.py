@@ -3,7 +3,8 @@ or run): whether it runs as a script (an ``if __name__ == "__main__"`` block, or
 module level), whether it builds an optimizer and calls ``.backward()``, how it takes its settings
 (argparse arguments, a nanoGPT-style ``configurator.py`` that turns ``--key=value`` and config files
 into module globals, a dataclass of hyperparameters), the constants one could shrink it by, and the
-path strings it reads.
+path strings it reads. A script whose loop a library runs (`transformers.Trainer(...).train()`, Lightning's
+`Trainer(...).fit(...)`) builds no optimizer and calls no `.backward()` itself: `library_trainer` names the trainer.
 """
 
 from __future__ import annotations
@@ -17,13 +18,21 @@ _OPTIMIZER_CALL = re.compile(r"(?:^|\.)(?:[A-Z]\w*Optimizer|AdamW?|SGD|Adagrad|A
                              r"LBFGS|Rprop|SparseAdam|Muon|Lion|Adafactor|LAMB|Shampoo|Sophia)$")
 _OPTIMIZER_FACTORIES = ("configure_optimizers", "create_optimizer", "build_optimizer", "make_optimizer",
                         "get_optimizer")
+# Packages whose `*Trainer` classes run the training loop (optimizer, backward, step) for the script; accelerate's loops
+# are the user's own (`accelerator.backward(loss)` is a .backward() call)
+TRAINER_LIBRARIES = ("transformers", "trl", "pytorch_lightning", "lightning", "peft", "sentence_transformers")
+_TRAINER_METHODS = ("train", "fit")
 _PATH_LIKE = re.compile(r"^(?:\./)?[\w.*-]+(?:/[\w.*-]*)+$|^[\w*-]+\.(?:bin|pkl|pt|pth|npy|npz|txt|json|jsonl|arrow|"
                         r"parquet|model|safetensors|h5|csv|tar|idx)$")
 SIZE_NAMES = ("batch_size", "device_batch_size", "micro_batch_size", "total_batch_size", "gradient_accumulation_steps",
               "block_size", "sequence_length", "seq_len", "max_seq_len", "context_length", "n_layer", "num_layers",
               "n_layers", "depth", "n_head", "num_heads", "n_embd", "d_model", "hidden_size", "model_dim", "dim",
               "vocab_size", "max_iters", "num_iterations", "max_steps", "train_steps", "iterations", "eval_iters",
-              "eval_interval", "val_steps", "warmup_iters", "epochs", "num_epochs", "compile")
+              "eval_interval", "val_steps", "warmup_iters", "epochs", "num_epochs", "compile",
+              # a library's own arguments: TrainingArguments(...) of transformers, Lightning's Trainer(...)
+              "per_device_train_batch_size", "max_epochs", "num_train_epochs", "limit_train_batches")
+# Calls whose size keywords are a library's own settings (`TrainingArguments(max_steps=...)`): shrunk by a call override
+LIBRARY_SETTING_CALLS = ("TrainingArguments", "Seq2SeqTrainingArguments", "SFTConfig", "Trainer")
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,10 @@ class ScriptFacts:
     called: set[str] = field(default_factory=set)  # the first name of every call (`Trainer(...)`, `engine.train(...)`)
     call_keywords: list[tuple[str, str, str, int]] = field(default_factory=list)  # `GPTConfig(n_layer=12)`: class, keyword, value, line
     only_assignments: bool = False  # a config file: nothing but `name = literal` lines
+    library_trainer: str | None = None  # `transformers.Trainer`: a library's trainer runs the loop (built and .train()/.fit() called)
+    library_trainer_line: int | None = None
+    _trainer_calls: list[tuple[str, int]] = field(default_factory=list, repr=False)  # (dotted name, line) of `*Trainer(...)` calls
+    _methods_called: set[str] = field(default_factory=set, repr=False)  # `x.train()`: "train"
     syntax_error: str | None = None
 
     @property
@@ -133,15 +146,33 @@ def read_script_facts(root: Path, rel: str) -> ScriptFacts:
                 and any(_is_environ(c) for c in node.comparators):
             defaulted = True
     facts.needs_torchrun = required_read and not defaulted
+    _find_library_trainer(facts)
     if facts.configurator_line is not None:  # constants set after the configurator ran are no settings
         facts.settings = [s for s in facts.settings if s.kind != "constant" or s.line < facts.configurator_line]
     return facts
+
+
+def _find_library_trainer(facts: ScriptFacts) -> None:
+    """A `*Trainer` of a training library that the script builds and then runs (`.train()` or `.fit()`)."""
+    if not any(method in facts._methods_called for method in _TRAINER_METHODS):
+        return
+    for name, line in facts._trainer_calls:
+        first, _, rest = name.partition(".")
+        for module in facts.bound.get(first, []):
+            full = f"{module}.{rest}" if rest else module
+            if full.split(".", 1)[0] in TRAINER_LIBRARIES and "." in full:
+                facts.library_trainer, facts.library_trainer_line = f"{full.split('.', 1)[0]}.{full.rsplit('.', 1)[-1]}", line
+                return
 
 
 def _read_call(node: ast.Call, facts: ScriptFacts) -> None:
     name = _dotted(node.func)
     facts.called.add(name.split(".", 1)[0])
     callee = name.rsplit(".", 1)[-1]
+    if callee.endswith("Trainer"):
+        facts._trainer_calls.append((name, node.lineno))
+    if isinstance(node.func, ast.Attribute):
+        facts._methods_called.add(node.func.attr)
     facts.call_keywords += [(callee, k.arg, ast.unparse(k.value), node.lineno) for k in node.keywords
                             if k.arg is not None and isinstance(k.value, ast.Constant) and callee[:1].isupper()]
     if name.endswith(".backward") or name == "backward":
