@@ -72,8 +72,10 @@ def _why(summary: dict[str, Any], run_json: dict[str, Any], failure: Path) -> st
 
 
 def run_record(source: RecordSource, mirror: Path, work: Path, home: Path, *, budget_s: float, max_candidates: int,
-               gate_rounds: int, categories: tuple[str, ...] = (), say: Say = print) -> dict[str, Any]:
-    """One record through port and run (only intents of `categories` when given); the row of the results page."""
+               gate_rounds: int, categories: tuple[str, ...] = (), port_only: str = "",
+               say: Say = print) -> dict[str, Any]:
+    """One record through port and run (only intents of `categories` when given; with `port_only`, the port alone
+    and that text as the row's why); the row of the results page."""
     started = time.monotonic()
     row: dict[str, Any] = {"record": source.number, "name": source.name, "folder": source.folder,
                            "published_speedup": source.published_speedup, "ported": False, "not_ported": [],
@@ -89,6 +91,9 @@ def run_record(source: RecordSource, mirror: Path, work: Path, home: Path, *, bu
     repo = build_repo(work / f"record-{source.number}" / "repo", source, script)
     row.update(port(repo, home))
     say(f"record {source.number}: port {'written' if row['ported'] else 'failed'}, {len(row['not_ported'])} left")
+    if port_only:
+        row.update(why=port_only, wall_s=round(time.monotonic() - started, 1))
+        return row
     run_id = f"record-{source.number}"
     json_path = work / f"record-{source.number}" / "run.json"
     run = run_loop(repo, run_id, home, budget_s=budget_s, max_candidates=max_candidates, gate_rounds=gate_rounds,
@@ -111,12 +116,13 @@ def run_record(source: RecordSource, mirror: Path, work: Path, home: Path, *, bu
 
 
 def run_records(sources: list[RecordSource], mirror: Path, work: Path, home: Path, *, slots: int, budget_s: float,
-                max_candidates: int, gate_rounds: int, categories: tuple[str, ...] = (),
+                max_candidates: int, gate_rounds: int, categories: tuple[str, ...] = (), port_only: str = "",
                 say: Say = print) -> list[dict[str, Any]]:
     """Every record in `sources`, `slots` at a time (each run's gates use the run's own `threads`)."""
     def one(source: RecordSource) -> dict[str, Any]:
         return run_record(source, mirror, work, home / f"record-{source.number}", budget_s=budget_s,
-                          max_candidates=max_candidates, gate_rounds=gate_rounds, categories=categories, say=say)
+                          max_candidates=max_candidates, gate_rounds=gate_rounds, categories=categories,
+                          port_only=port_only, say=say)
 
     with ThreadPoolExecutor(max_workers=max(1, slots)) as pool:
         return list(pool.map(one, sources))
@@ -169,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="each run's --rounds (default 6)")
     parser.add_argument("--category", action="append", default=[], help="only intents of this category (repeatable; "
                         "default: all)")
+    parser.add_argument("--port-only", default="", metavar="WHY", help="only build and port each record (no run); WHY "
+                        "is the row's why (e.g. that this session had no time for its run)")
     parser.add_argument("--home", type=Path, default=None, help="TRAINBRIDGE_HOME for the runs (default: a temporary one)")
     parser.add_argument("--out", type=Path, default=None, help="results path without suffix "
                         "(default benchmarks/results/<date>-records)")
@@ -183,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="trainbridge-records-") as tmp:
         home = args.home or Path(tmp) / "home"
         rows = run_records(sources, args.mirror.resolve(), Path(tmp), home, slots=args.slots, budget_s=args.budget,
-                           max_candidates=args.max_candidates, gate_rounds=args.rounds, categories=tuple(args.category))
+                           max_candidates=args.max_candidates, gate_rounds=args.rounds, categories=tuple(args.category),
+                           port_only=args.port_only)
     if args.merge:
         rows = merge(out.with_suffix(".json"), rows)
     for r in rows:
