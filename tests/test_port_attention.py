@@ -33,7 +33,8 @@ from trainbridge.tools.porting.attention_masks import MaskSpec, NotCarried, read
 import libcst as cst
 
 FIXTURES = Path(__file__).parent / "fixtures" / "port_attention"
-PROGRAMS = ["flex_causal", "flex_window", "flex_documents", "flex_kv_blocks", "fa3_hub_varlen", "flash_attn_dense"]
+PROGRAMS = ["flex_causal", "flex_window", "flex_documents", "flex_kv_blocks", "flex_kv_blocks_token_window",
+            "fa3_hub_varlen", "flash_attn_dense"]
 ATOL, RTOL = 2e-5, 1e-4
 EOS = 50256
 
@@ -74,6 +75,7 @@ def load_original(name: str):
     ("flex_window", [(15, ChangeKind.flex_block_mask), (20, ChangeKind.flex_attention)]),
     ("flex_documents", [(19, ChangeKind.flex_block_mask), (20, ChangeKind.flex_attention)]),
     ("flex_kv_blocks", [(34, ChangeKind.flex_block_mask), (46, ChangeKind.flex_attention)]),
+    ("flex_kv_blocks_token_window", [(29, ChangeKind.flex_block_mask), (33, ChangeKind.flex_attention)]),
     ("fa3_hub_varlen", [(4, ChangeKind.flash_attention), (6, ChangeKind.flash_attention),
                         (12, ChangeKind.flash_attention)]),
     ("flash_attn_dense", [(4, ChangeKind.flash_attention), (8, ChangeKind.flash_attention),
@@ -296,6 +298,19 @@ def build_cases():
                                        "grad": [0, 1, 2], "upstream": upstream}, ref_out, ref_grads, token_keep)
     assert bool((block_keep <= token_keep).all()) and not torch.equal(block_keep, token_keep)
 
+    # blocks listed densely with a block window of ceil(100/128) = 1 block, mask_mod with a token window of 100:
+    # the port keeps the token window (a superset of the original's keys where the block window cuts it)
+    q, k, v = qkv(512, 512)
+    args = [q, k, v, long_docs, torch.tensor(100)]
+    original, block_keep = run_original_flex("flex_kv_blocks_token_window", "attention", args, 16 ** -0.5)
+    token_keep = band_keep(512, 512, 99) & (doc[:, None] == doc[None, :])
+    upstream = torch.randn_like(original)
+    ref_out, ref_grads = reference_grads(q, k, v, token_keep, 16 ** -0.5, upstream)
+    cases["flex kv blocks token window"] = ({"module": "flex_kv_blocks_token_window", "func": "attention",
+                                             "args": args, "grad": [0, 1, 2], "upstream": upstream}, ref_out,
+                                            ref_grads, token_keep)
+    assert bool((block_keep <= token_keep).all()) and not torch.equal(block_keep, token_keep)
+
     # FlashAttention-3 varlen from the hub: documents of 37, 0, 90, 1 and 128 tokens, cu_seqlens padded with T
     q, k, v = qkv(256, 256, heads=4, kv_heads=2)
     cu = [0, 37, 37, 127, 128, 256]
@@ -340,7 +355,7 @@ def emulated_runs(tmp_path_factory):
 
 
 CASES = ["flex causal", "flex window 40", "flex window 97", "flex documents", "flex kv blocks",
-         "flex kv blocks window", "fa3 varlen window 16", "fa3 varlen window 300", "flash_attn_func causal",
+         "flex kv blocks window", "flex kv blocks token window", "fa3 varlen window 16", "fa3 varlen window 300", "flash_attn_func causal",
          "flash_attn_func windowed"]
 
 

@@ -47,9 +47,9 @@ FLEX_NOTE = ("npu_fusion_attention: scale 1/sqrt(D) passed (its default is 1.0);
 MASK_NOTE = ("read when the mask is built, as create_block_mask does: a tensor window and the document boundaries "
              "are copied to the host there (one device sync per mask, not per layer)")
 KV_BLOCK_NOTE = ("behaviour change: the block-granular window of BlockMask.from_kv_blocks becomes a token window of "
-                 "(most KV blocks a query block reads) x BLOCK_SIZE tokens, read on the host when the mask is built; "
-                 "a query at the start of a block sees up to BLOCK_SIZE-1 more past keys than under FlexAttention. "
-                 "The mask_mod's causal/document terms are exact")
+                 "(most KV blocks a query block reads) x BLOCK_SIZE tokens (or the mask_mod's own window where that is "
+                 "smaller), read on the host when the mask is built; a query near the start of a block may see up to "
+                 "BLOCK_SIZE-1 more past keys than under FlexAttention. The mask_mod's causal/document terms are exact")
 FLASH_NOTE = ("npu_fusion_attention: scale = softmax_scale or 1/sqrt(D); causal = sparse_mode 3 (bottom-right, as "
               "flash-attn); window_size=(w, 0) = sparse_mode 4 with pre_tockens=w, next_tockens=0; returns the "
               "attention output only (FA3 builds that return (out, lse) differ); dropout_p becomes keep_prob with "
@@ -228,9 +228,8 @@ class AttentionPlanner(cst.CSTVisitor):
     def _kv_blocks_call(self, call, positional, keywords, spec: MaskSpec):
         if any(a.star for a in call.args):
             return None, "BlockMask.from_kv_blocks with *args"
-        if not spec.causal or spec.window:
-            return None, ("BlockMask.from_kv_blocks whose mask_mod is not causal or has its own window (the block "
-                          "counts are read as a causal sliding window)")
+        if not spec.causal:
+            return None, "BlockMask.from_kv_blocks whose mask_mod is not causal (its block counts are read as a causal window)"
         num = keywords.get("kv_num_blocks", positional[0] if positional else None)
         full = keywords.get("full_kv_num_blocks", positional[2] if len(positional) > 2 else None)
         size = keywords.get("BLOCK_SIZE", keywords.get("KV_BLOCK_SIZE", positional[4] if len(positional) > 4 else None))
@@ -240,8 +239,9 @@ class AttentionPlanner(cst.CSTVisitor):
             return None, "BlockMask.from_kv_blocks without kv_num_blocks"
         args = [self._code(num), self._code(full) if full is not None else "None",
                 self._code(size) if size is not None else "128", "True"]
+        window = f", window={spec.window}" if spec.window else ""
         docs = f", docs={spec.docs}" if spec.docs else ""
-        return cst.parse_expression(f"_tb_npu_kv_block_mask({', '.join(args)}{docs})"), None
+        return cst.parse_expression(f"_tb_npu_kv_block_mask({', '.join(args)}{window}{docs})"), None
 
     # -- flash-attn and the kernels hub --------------------------------------------------------------
 

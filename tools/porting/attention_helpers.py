@@ -79,14 +79,16 @@ def _tb_npu_mask(causal, window=None, docs=None, length=None):
     return _TbNpuMask(causal, window, ends, None if length is None else _tb_npu_int(length))
 
 
-def _tb_npu_kv_block_mask(kv_num_blocks, full_kv_num_blocks, block_size, causal, docs=None):
+def _tb_npu_kv_block_mask(kv_num_blocks, full_kv_num_blocks, block_size, causal, window=None, docs=None):
     """BlockMask.from_kv_blocks with a recognised mask_mod: the window is the most KV blocks one query block
     reads (partial + full), as a token window of that many blocks (up to block_size - 1 more keys than the
-    block-granular original at the start of a block)."""
+    block-granular original at the start of a block), or the mask_mod's own token window where smaller."""
     blocks = kv_num_blocks if full_kv_num_blocks is None else kv_num_blocks + full_kv_num_blocks
-    window = _tb_npu_int(blocks.amax()) * _tb_npu_int(block_size)
+    block_window = _tb_npu_int(blocks.amax()) * _tb_npu_int(block_size)
     length = kv_num_blocks.shape[-1] * _tb_npu_int(block_size)
-    return _tb_npu_mask(causal, None if window >= length else window, docs)
+    if window is not None:
+        block_window = min(block_window, _tb_npu_int(window))
+    return _tb_npu_mask(causal, None if block_window >= length else block_window, docs)
 
 
 def _tb_npu_flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
