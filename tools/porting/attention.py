@@ -44,19 +44,21 @@ FLEX_NOTE = ("npu_fusion_attention: scale 1/sqrt(D) passed (its default is 1.0);
              "as q_idx >= kv_idx); window W = sparse_mode 4 with pre_tockens=W-1, next_tockens=0; documents = "
              "input_layout TND with one sequence per run of equal ids (batch size 1). Precision: the NPU kernel's "
              "accumulation order differs from FlexAttention's; bf16 outputs differ in the last bits")
+COMPILE_NOTE = " Inside torch.compile such a host read is a graph break (an error with fullgraph=True: drop fullgraph)"
 MASK_NOTE = ("read when the mask is built, as create_block_mask does: a tensor window and the document boundaries "
-             "are copied to the host there (one device sync per mask, not per layer)")
+             "are copied to the host there (one device sync per mask, not per layer)." + COMPILE_NOTE)
 KV_BLOCK_NOTE = ("behaviour change: the block-granular window of BlockMask.from_kv_blocks becomes a token window of "
                  "(most KV blocks a query block reads) x BLOCK_SIZE tokens (or the mask_mod's own window where that is "
                  "smaller), read on the host when the mask is built; a query near the start of a block may see up to "
-                 "BLOCK_SIZE-1 more past keys than under FlexAttention. The mask_mod's causal/document terms are exact")
+                 "BLOCK_SIZE-1 more past keys than under FlexAttention. The mask_mod's causal/document terms are "
+                 "exact." + COMPILE_NOTE)
 FLASH_NOTE = ("npu_fusion_attention: scale = softmax_scale or 1/sqrt(D); causal = sparse_mode 3 (bottom-right, as "
               "flash-attn); window_size=(w, 0) = sparse_mode 4 with pre_tockens=w, next_tockens=0; returns the "
               "attention output only (FA3 builds that return (out, lse) differ); dropout_p becomes keep_prob with "
               "the NPU's own random masks; deterministic is ignored")
 VARLEN_NOTE = ("; varlen: input_layout TND with actual_seq_qlen/kvlen = cu_seqlens[1:] read on the host (one device "
                "sync per call), empty sequences dropped, tokens after the last offset attended as one more sequence "
-               "(flash-attn leaves them unset)")
+               "(flash-attn leaves them unset)." + COMPILE_NOTE)
 CARRY_HINT = ("npu_fusion_attention expresses causal (sparse_mode 2/3), sliding windows (sparse_mode 4 with "
               "pre_tockens/next_tockens) and documents (input_layout TND); write the mask_mod as a conjunction of "
               "`q_idx >= kv_idx`, `q_idx - kv_idx < W` and `docs[q_idx] == docs[kv_idx]`, or call "
