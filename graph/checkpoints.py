@@ -13,11 +13,11 @@ process), as the kernel drops the local flock.
 from __future__ import annotations
 
 import hashlib
-import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlsplit
+from trainbridge.settings import settings
 
 CHECKPOINT_ENV = "TRAINBRIDGE_CHECKPOINT"  # the default of --checkpoint for status/resume/review/report
 POSTGRES_SCHEMES = ("postgresql", "postgres")
@@ -50,7 +50,7 @@ def is_postgres(url: str | None) -> bool:
 
 def default_checkpoint(given: str | None) -> str | None:
     """The URL a command was given, else TRAINBRIDGE_CHECKPOINT (read when a command runs, not at import)."""
-    return check_checkpoint_url(given if given else os.environ.get(CHECKPOINT_ENV) or None)
+    return check_checkpoint_url(given if given else settings().CHECKPOINT)
 
 
 @contextmanager

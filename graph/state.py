@@ -8,7 +8,6 @@ just what it adds.
 from __future__ import annotations
 
 import operator
-import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -16,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from typing_extensions import TypedDict  # pydantic (the LangGraph server's schema export) needs it on Python < 3.12
 
 from trainbridge.tools.git.names import check_run_id
+from trainbridge.settings import settings
 
 
 
@@ -159,11 +159,7 @@ class RunState(TypedDict, total=False):
 
 def runs_root() -> Path:
     """Per-user home of runs (checkpoints, worktrees, reports); TRAINBRIDGE_HOME overrides."""
-    base = os.environ.get("TRAINBRIDGE_HOME")
-    if base:
-        return Path(base).expanduser() / "runs"
-    xdg = os.environ.get("XDG_DATA_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "trainbridge" / "runs"
+    return settings().data_dir("runs")
 
 
 class RunPaths:

@@ -11,7 +11,6 @@ Exit codes: 0 done, 1 the knowledge base failed, 2 bad input (a malformed recipe
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +26,7 @@ from trainbridge.knowledge.cli_json import json_option, to_stdout, write_json
 from trainbridge.knowledge.jsonl import KBFileError
 from trainbridge.knowledge.schema import Recipe, RecipeFileError, Target, load_recipe_file
 from trainbridge.knowledge.store import KnowledgeBase, KnowledgeBaseError
+from trainbridge.settings import settings
 
 kb_app = typer.Typer(
     name="kb",
@@ -68,7 +68,7 @@ def _open(kb_dir: Optional[Path], kb_url: Optional[str]) -> Iterator[KnowledgeBa
         err.print("[red]error:[/red] give --kb-dir or --kb-url, not both")
         raise typer.Exit(2)
     if kb_dir is None and not kb_url:
-        kb_url = os.environ.get("TRAINBRIDGE_KB_URL") or None
+        kb_url = settings().KB_URL
     try:
         kb = KnowledgeBase.connect(kb_url) if kb_url else KnowledgeBase(kb_dir)
     except KnowledgeBaseError as exc:

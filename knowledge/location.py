@@ -8,7 +8,6 @@ settings every TrainBridge client uses (no telemetry, no reset).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -17,20 +16,14 @@ import chromadb
 from chromadb.config import Settings
 
 from trainbridge.knowledge.store_records import KnowledgeBaseError
+from trainbridge.settings import settings
 
 
 def default_kb_dir() -> Path:
     """$TRAINBRIDGE_KB_DIR, else $TRAINBRIDGE_HOME/kb (beside its runs/), else $XDG_DATA_HOME/trainbridge/kb,
     else ~/.local/share/trainbridge/kb."""
-    env = os.environ.get("TRAINBRIDGE_KB_DIR")
-    if env:
-        return Path(env).expanduser()
-    home = os.environ.get("TRAINBRIDGE_HOME")
-    if home:
-        return Path(home).expanduser() / "kb"
-    xdg = os.environ.get("XDG_DATA_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share"
-    return base / "trainbridge" / "kb"
+    current = settings()
+    return current.KB_DIR.expanduser() if current.KB_DIR is not None else current.data_dir("kb")
 
 
 def client_settings() -> Settings:

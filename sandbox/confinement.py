@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import shutil
 import subprocess
 import tempfile
@@ -37,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainbridge.sandbox.isolation import network_isolation
+from trainbridge.settings import settings
 
 CONFINE_ENV = "TRAINBRIDGE_CONFINE"
 SANDBOX_UID = 65534  # 'nobody' inside the child's user namespace: no privilege there, and a name in /etc/passwd
@@ -72,7 +72,7 @@ def _base_args(path: str, devices: bool) -> list[str]:
 
 def wanted() -> bool:
     """False when confinement was turned off (`TRAINBRIDGE_CONFINE=0`, debugging only)."""
-    return os.environ.get(CONFINE_ENV, "1") != "0"
+    return settings().CONFINE
 
 
 @functools.cache

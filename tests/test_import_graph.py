@@ -1,5 +1,5 @@
 """The package's imports run one way: no module imports itself back through others, no layer imports
-a layer above it (records <- knowledge <- tools <- sandbox <- agents <- graph), and no module uses
+a layer above it (settings <- records <- knowledge <- tools <- sandbox <- agents <- graph), and no module uses
 another's private names.
 
 Imports inside functions count too: a cycle joined through a function-level import is still a
@@ -17,7 +17,7 @@ PACKAGE = "trainbridge"
 SKIPPED = {"tests", "benchmarks", "examples", ".venv"}  # not part of the installed import graph's layers
 # The CPU stand-in for torch_npu is imported as `torch_npu` by sandbox children, never as trainbridge.*.
 EMULATED = ("sandbox", "npu_emulation", "torch_npu")
-LAYERS = ["records", "knowledge", "tools", "sandbox", "agents", "graph"]
+LAYERS = ["settings", "records", "knowledge", "tools", "sandbox", "agents", "graph"]
 
 
 def package_modules(root: Path = ROOT) -> dict[str, Path]:

@@ -48,7 +48,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
 import statistics
 import time
@@ -77,6 +76,7 @@ from trainbridge.sandbox.random_alignment import ALIGNED_NOTE
 from trainbridge.sandbox.child.step_driver import StepPlan
 from trainbridge.sandbox.evidence import EvidenceMismatch, load_evidence
 from trainbridge.sandbox.workload import Workload
+from trainbridge.settings import SettingsError, settings
 
 GateProgress = Callable[[str, int, int], None]  # (phase, done, total); phases "numerics", "timing"
 Pairing = Literal["paired", "sequential"]
@@ -221,11 +221,12 @@ def default_pairing(backend: str) -> Pairing:
     """"paired" on the CPU (two children side by side fit in host memory, and halve the noise of a
     round on this kind of machine: benchmarks/gate_calibration.py); "sequential" on accelerators,
     where two processes would share one device's memory. TRAINBRIDGE_GATE_PAIRING overrides."""
-    chosen = os.environ.get("TRAINBRIDGE_GATE_PAIRING")
+    try:
+        chosen = settings().GATE_PAIRING
+    except SettingsError as exc:
+        raise GateError(f"{exc} (choose one of {', '.join(PAIRINGS)})") from None
     if chosen:
-        if chosen not in PAIRINGS:
-            raise GateError(f"TRAINBRIDGE_GATE_PAIRING={chosen!r}: choose one of {', '.join(PAIRINGS)}")
-        return chosen  # type: ignore[return-value]
+        return chosen
     return "paired" if backend == "cpu" else "sequential"
 
 

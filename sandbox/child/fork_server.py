@@ -51,6 +51,7 @@ from typing import Literal
 
 from trainbridge.sandbox import proc_watch
 from trainbridge.sandbox.child.fork_child import PREWARM_ENV
+from trainbridge.settings import SettingsError, settings
 from trainbridge.sandbox.confinement import SIDE_ENV, bubblewrap
 from trainbridge.sandbox.isolation import network_isolation
 
@@ -109,11 +110,12 @@ class CannotConfine(ForkServerError):
 def default_spawn(backend: str) -> SpawnKind:
     """"fork-server" on the CPU, "exec" on accelerators (a device runtime does not survive fork, and
     none is attached here to prove the server safe with one). TRAINBRIDGE_GATE_SPAWN overrides."""
-    chosen = os.environ.get(SPAWN_ENV)
+    try:
+        chosen = settings().GATE_SPAWN
+    except SettingsError as exc:
+        raise ValueError(f"{exc} (choose one of {', '.join(SPAWN_KINDS)})") from None
     if chosen:
-        if chosen not in SPAWN_KINDS:
-            raise ValueError(f"{SPAWN_ENV}={chosen!r}: choose one of {', '.join(SPAWN_KINDS)}")
-        return chosen  # type: ignore[return-value]
+        return chosen
     return "fork-server" if backend == "cpu" and sys.platform.startswith("linux") else "exec"
 
 

@@ -28,6 +28,7 @@ from trainbridge.tools.git.names import valid_run_id
 from trainbridge.tools.git.ops import GitOpsError
 from trainbridge.tools.porting import RepoPortResult, port_repo
 from trainbridge.tools.porting.repo import SKIP_DIRS
+from trainbridge.settings import settings
 
 TARGETS = ("npu",)
 PORT_CANDIDATE = "port-npu"
@@ -60,11 +61,7 @@ class PortOutcome(Record):
 
 def ports_root() -> Path:
     """Workspaces of `port --run-id`: $TRAINBRIDGE_HOME/ports, else the per-user data folder's."""
-    home = os.environ.get("TRAINBRIDGE_HOME")
-    if home:
-        return Path(home).expanduser() / "ports"
-    xdg = os.environ.get("XDG_DATA_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".local" / "share") / "trainbridge" / "ports"
+    return settings().data_dir("ports")
 
 
 def _check_target(to: str) -> None:
