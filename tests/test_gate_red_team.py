@@ -25,7 +25,7 @@ from trainbridge.agents.profiler.gate import run_gate
 from trainbridge.agents.profiler.tamper import package_root
 from trainbridge.agents.profiler.verdict import VerdictReason
 from trainbridge.sandbox import confinement
-from trainbridge.sandbox.child import self_confinement
+from trainbridge.sandbox.child import fork_server, self_confinement
 from trainbridge.sandbox.workload import load_workload
 
 REDTEAM = Path(__file__).parent / "fixtures" / "redteam"
@@ -33,6 +33,16 @@ CHEATS = sorted((REDTEAM / "cheats").glob("*.py"))
 NOT_ACCEPTED = {VerdictReason.not_significant, VerdictReason.slower}
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_fork_servers():
+    """The module's gates fork their children from the same servers, as the gates of one run do (graph/runs.py opens
+    a `fork_server.warm_scope` around a run): a server holds no state of any child, so each child is as fresh as in a
+    gate of its own, and the module pays the servers' start (interpreter and `import torch`) once, not per cheat.
+    Whether a child confines itself is asked per fork, so the unconfined reruns below are unconfined all the same."""
+    with fork_server.warm_scope():
+        yield
 
 
 def _header(path: Path, key: str) -> str:
