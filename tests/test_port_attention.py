@@ -162,6 +162,34 @@ def test_flex_score_mod_and_flash_softcap_are_reported_not_carried():
     assert "_tb_npu" not in result.source
 
 
+COMPILED = '''import torch
+from flash_attn import flash_attn_func
+
+
+@torch.compile(dynamic=False, fullgraph=True)
+def newton_schulz(g):
+    return g @ g.mT
+
+
+class Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return flash_attn_func(q, k, v, causal=True)
+
+
+model = torch.compile(Attention(), dynamic=False, fullgraph=True)
+'''
+
+
+def test_a_compiled_model_with_carried_attention_drops_fullgraph():
+    result = port_source(COMPILED, "prog.py")
+    assert [(c.line, c.kind) for c in result.changes if c.kind == ChangeKind.attention_fullgraph] == [
+        (15, ChangeKind.attention_fullgraph)]
+    assert "model = torch.compile(Attention(), dynamic=False, fullgraph=False)" in result.source
+    assert "@torch.compile(dynamic=False, fullgraph=True)" in result.source  # not the model: left as it was
+    untouched = port_source(COMPILED.replace("flash_attn_func(q, k, v, causal=True)", "q"), "prog.py")
+    assert "fullgraph=False" not in untouched.source
+
+
 def _mask_spec(body: str) -> MaskSpec:
     module = cst.parse_module(f"def m(b, h, q_idx, kv_idx):\n{body}")
     return read_mask_mod(module, module.body[0])

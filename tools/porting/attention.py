@@ -45,6 +45,8 @@ FLEX_NOTE = ("npu_fusion_attention: scale 1/sqrt(D) passed (its default is 1.0);
              "input_layout TND with one sequence per run of equal ids (batch size 1). Precision: the NPU kernel's "
              "accumulation order differs from FlexAttention's; bf16 outputs differ in the last bits")
 COMPILE_NOTE = " Inside torch.compile such a host read is a graph break (an error with fullgraph=True: drop fullgraph)"
+FULLGRAPH_NOTE = ("the attention carried to npu_fusion_attention reads window sizes and sequence boundaries on the "
+                  "host (graph breaks), which fullgraph=True refuses; the compiled model runs as more than one graph")
 MASK_NOTE = ("read when the mask is built, as create_block_mask does: a tensor window and the document boundaries "
              "are copied to the host there (one device sync per mask, not per layer)." + COMPILE_NOTE)
 KV_BLOCK_NOTE = ("behaviour change: the block-granular window of BlockMask.from_kv_blocks becomes a token window of "
@@ -107,6 +109,7 @@ class AttentionPlanner(cst.CSTVisitor):
         self.imports: list[_Import] = []
         self.names: list[tuple[str, CodeRange]] = []
         self.carried_spans: list[CodeRange] = []
+        self.compiles: list[cst.Name] = []  # the `True` of torch.compile(..., fullgraph=True)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -160,6 +163,9 @@ class AttentionPlanner(cst.CSTVisitor):
             self.masks.append(self._mask_call(node, kv_blocks=False))
         elif FLEX + "BlockMask.from_kv_blocks" in qnames:
             self.masks.append(self._mask_call(node, kv_blocks=True))
+        elif "torch.compile" in qnames and any(a.keyword is None for a in node.args):  # compile(model), no decorator
+            self.compiles.extend(a.value for a in node.args if a.keyword is not None and a.keyword.value == "fullgraph"
+                                 and isinstance(a.value, cst.Name) and a.value.value == "True")
         elif "kernels.get_kernel" in qnames:
             self._hub_call(node)
         elif any(q.split(".")[0] in FLASH_MODULES for q in qnames):
@@ -308,6 +314,12 @@ class AttentionPlanner(cst.CSTVisitor):
         for site in self.hub_sites:
             self._carry(site)
         self._remove_imports()
+        if self.result.needs_helpers:
+            for flag in self.compiles:
+                self.plan.exprs[id(flag)] = cst.Name("False")
+                self.plan.changes.append(PortChange(
+                    file=self.relpath, line=self._span(flag).start.line, kind=ChangeKind.attention_fullgraph,
+                    before="fullgraph=True", after="fullgraph=False", review=FULLGRAPH_NOTE))
 
     def _skip(self, site: _Site, category: SkipCategory, reason: str) -> None:
         code = self.lines[site.line - 1].strip() if site.line <= len(self.lines) else ""
