@@ -28,7 +28,7 @@ from trainbridge.graph.team.devices import parallel_gates
 from trainbridge.graph.npu_port import port_to_npu
 from trainbridge.graph.review import REVIEW_SCHEMA_VERSION, ReviewDecision, review_payload
 from trainbridge.graph.state import RunState
-from trainbridge.graph.stops import NO_INTENTS, RunStopped, limit_reached, stop_reason
+from trainbridge.graph.stops import NO_INTENTS, RunStopped, closing_rounds_that_fit, limit_reached, stop_reason
 from trainbridge.knowledge.schema import Outcome
 from trainbridge.records import Intent
 from trainbridge.sandbox.backends import npu_emulated
@@ -389,9 +389,14 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     final, comparison, parts = None, None, {}
     if state.get("accepted"):
         started = time.monotonic()
-        if ctx.config.final_rounds > 0:
-            comparison = _final_comparison(ctx, workspace, state["base_sha"])
-        else:
+        rounds = closing_rounds_that_fit(state, ctx.config)  # the budget holds: as many rounds as fit in what is left
+        if 0 < rounds < ctx.config.final_rounds:
+            ctx.say(f"final comparison: {rounds} of {ctx.config.final_rounds} rounds fit in the budget's time left")
+        if rounds > 0:
+            comparison = _final_comparison(ctx, workspace, state["base_sha"], rounds)
+        elif ctx.config.final_rounds > 0:
+            ctx.say("no final comparison: the budget has no time left for one round of it")
+        elif ctx.config.final_rounds == 0:
             ctx.say("measuring the final branch head")
             result = _measure(ctx.config.workload(workspace.worktree), ctx)
             final = result.median_step_s() if result.failure is None else None
@@ -408,16 +413,16 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             "intent_coverage": coverage.as_record(), PARTS_KEY: parts}
 
 
-def _final_comparison(ctx: RunContext, workspace, base_sha: str) -> dict[str, Any] | None:
+def _final_comparison(ctx: RunContext, workspace, base_sha: str, rounds: int) -> dict[str, Any] | None:
     """The final head against the original (and torch.compile of it), interleaved; None when it cannot run."""
     from trainbridge.agents.profiler.final import FinalComparisonError, compare_final
 
     arms = "original, final head" + (", torch.compile of the original" if ctx.config.compile_reference else "")
-    ctx.say(f"final comparison: {arms}, {ctx.config.final_rounds} interleaved rounds")
+    ctx.say(f"final comparison: {arms}, {rounds} interleaved rounds")
     original = detached_view(workspace, BASE_VIEW, base_sha)
     try:
         result = compare_final(ctx.config.workload(original), ctx.config.workload(workspace.worktree), backend=ctx.config.target,
-                               rounds=ctx.config.final_rounds, with_compile=ctx.config.compile_reference)
+                               rounds=rounds, with_compile=ctx.config.compile_reference)
     except FinalComparisonError as exc:
         ctx.say(f"no final comparison: {exc}")
         return None
@@ -474,6 +479,7 @@ def gate_summary(verdict: dict[str, Any]) -> dict[str, Any]:
     region = verdict.get("region") or {}
     speed = verdict.get("speed") or {}
     return {"wall_s": verdict.get("wall_s"), "rounds": len(verdict.get("baseline_rounds") or []),
+            "timing_s": (verdict.get("phase_seconds") or {}).get("timing"),  # graph/stops.py re-estimates a child from it
             "busy_rounds": verdict.get("busy_rounds") or [], "wait_policy": verdict.get("wait_policy"),
             "region_verdict": region.get("verdict"), "region_ratio": region.get("ratio"), "region_interval": region.get("interval"),
             # per round, each side's median step (s): what the report plots the gate's decision from (busy rounds included)

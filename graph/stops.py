@@ -44,23 +44,50 @@ def closing_comparison_runs(config) -> bool:
     return not npu_emulated()
 
 
-def final_comparison_s(state: dict[str, Any], config, typical_gate_s: float) -> float:
-    """What the closing comparison will take: a fresh child per arm and round, each as long as the
-    run's own baseline measurement (the prepare node's, one such child), plus the compiled arm's
-    compile once (the analyst's torch.compile reference took that long); never less than the same
-    children counted against a typical gate's. Nothing where it will not run (`closing_comparison_runs`)."""
+def final_comparison_s(state: dict[str, Any], config, typical_gate_s: float, rounds: int | None = None) -> float:
+    """What the closing comparison will take over `rounds` rounds (default: all of `final_rounds`): a fresh child
+    per arm and round, each as long as the run's own child (`baseline_child_s`, re-estimated after every gate),
+    plus the compiled arm's compile once (the analyst's torch.compile reference took that long); never less than
+    the same children counted against a typical gate's. Nothing where it will not run (`closing_comparison_runs`)."""
     if not closing_comparison_runs(config):
         return 0.0
+    rounds = config.final_rounds if rounds is None else rounds
     arms = 3 if config.compile_reference else 2
-    times = state.get("phase_times") or []
-    child = baseline_child_s(state)
-    compile_s = max((t.get("parts", {}).get("reference", 0.0) for t in times if t["node"] == "analyst"), default=0.0)
-    measured = arms * config.final_rounds * child + (compile_s if config.compile_reference and config.final_rounds else 0.0)
-    return max(measured, typical_gate_s * (arms * config.final_rounds) / (2 * config.gate_rounds))
+    measured = arms * rounds * baseline_child_s(state) + (compile_s(state) if config.compile_reference and rounds else 0.0)
+    return max(measured, typical_gate_s * (arms * rounds) / (2 * config.gate_rounds))
+
+
+def compile_s(state: dict[str, Any]) -> float:
+    """The analyst's torch.compile reference's time (what the closing comparison's compiled arm spends once)."""
+    return max((t.get("parts", {}).get("reference", 0.0) for t in state.get("phase_times") or [] if t["node"] == "analyst"),
+               default=0.0)
+
+
+def closing_rounds_that_fit(state: dict[str, Any], config) -> int:
+    """How many of the closing comparison's `final_rounds` fit in the time the budget has left (the report node
+    runs that many, so the budget holds whatever the estimates said when the last candidate started)."""
+    left = config.budget_s - elapsed_s(state, config)
+    typical = typical_gate_s(state, config)
+    fitting = [k for k in range(config.final_rounds, 0, -1) if final_comparison_s(state, config, typical, rounds=k) <= left]
+    return fitting[0] if fitting else 0
+
+
+def gate_round_s(state: dict[str, Any]) -> float | None:
+    """A timed gate round as the run's latest gates measured it (the median over the last three that timed any):
+    how long a child of the program takes on this machine now. None before a gate has timed a round."""
+    per_round = [gate["timing_s"] / (gate["rounds"] - 1) for v in state.get("verdicts") or []
+                 if (gate := v.get("gate") or {}).get("timing_s") and (gate.get("rounds") or 0) > 1]
+    recent = sorted(per_round[-3:])
+    return recent[len(recent) // 2] if recent else None
 
 
 def baseline_child_s(state: dict[str, Any]) -> float:
-    """One sandbox child of the unmodified program, as the prepare node measured it (0 before it has)."""
+    """One sandbox child of the unmodified program as this machine runs it now: a round of the run's latest gates
+    once one has timed rounds, else the prepare node's child (0 before it has run). A slow first child (a cold
+    machine, a busy minute) stops counting after the first gate."""
+    latest = gate_round_s(state)
+    if latest is not None:
+        return latest
     return max((t.get("parts", {}).get("baseline", 0.0) for t in state.get("phase_times") or [] if t["node"] == "prepare"),
                default=0.0)
 
@@ -84,10 +111,13 @@ def elapsed_s(state: dict[str, Any], config) -> float:
 def budget_allows_another(state: dict[str, Any], config) -> bool:
     """Time left for one more candidate as long as the typical one (`typical_gate_s`, the first one included), and
     then for the final comparison (`final_comparison_s`), so a run ends near its budget rather than one gate past
-    it."""
+    it. Before the first gate the estimates rest on one child only: the first candidate needs room for one
+    closing round, not all of them (the report node runs the rounds that fit: `closing_rounds_that_fit`)."""
     elapsed = elapsed_s(state, config)
     typical = typical_gate_s(state, config)
-    return elapsed + typical + final_comparison_s(state, config, typical) <= config.budget_s
+    first = not any(t["node"] == "profiler" for t in state.get("phase_times") or [])
+    rounds = min(1, config.final_rounds) if first else None
+    return elapsed + typical + final_comparison_s(state, config, typical, rounds=rounds) <= config.budget_s
 
 
 def limit_reached(state: dict[str, Any], config) -> Stop | None:

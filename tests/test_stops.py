@@ -97,3 +97,41 @@ def test_a_resumed_run_does_not_count_the_time_it_was_down(monkeypatch, tmp_path
     runs.resume_run("r", say=said.append, budget_s=1800)  # `resume --budget 30m`: 30 minutes from now
     assert seen[1].budget_s == 1800 and abs(seen[1].budget_origin - time.time()) < 5 and "30.0 min from now" in said[1]
     assert limit_reached(day_old, seen[1]) is None
+
+
+def _gate(timing_s: float, rounds: int) -> dict:
+    return {"accepted": False, "gate": {"wall_s": timing_s + 20.0, "rounds": rounds, "timing_s": timing_s}}
+
+
+def test_a_slow_first_child_stops_counting_once_the_runs_gates_time_rounds():
+    """Issue 27: on a fresh clone at a load of ~2 the demo's first baseline child took 47 s instead of 4 s, and the
+    13-minute demo stopped after one candidate, 12 intents left. The estimate now follows the run's latest gates."""
+    from trainbridge.graph.stops import baseline_child_s, budget_allows_another
+
+    config = _config(budget_s=780, final_rounds=6, gate_rounds=8, compile_reference=False)
+    prepare = [{"node": "prepare", "wall_s": 48.0, "parts": {"baseline": 47.0}}]
+    now = time.time()
+    cold = {"started_at": now - 100, "phase_times": prepare}
+    assert baseline_child_s(cold) == 47.0
+    # before any gate: room for the first candidate and one closing round (8 x 47 + 2 x 47 = 470 s of 680 left)
+    assert budget_allows_another(cold, config)
+    gated = {"started_at": now - 200, "phase_times": [*prepare, {"node": "profiler", "wall_s": 60.0, "parts": {}}],
+             "verdicts": [_gate(timing_s=36.0, rounds=10)]}  # nine timed rounds of 4 s each
+    assert baseline_child_s(gated) == 4.0
+    assert budget_allows_another(gated, config)  # 200 + 60 + 2 x 6 x 4 = 308 s <= 780 s; the first child's 47 s: 884 s
+    later = {**gated, "verdicts": [_gate(36.0, 10), _gate(90.0, 10), _gate(45.0, 10), {"accepted": False, "gate": {}}]}
+    assert baseline_child_s(later) == 5.0  # the median of the last three that timed rounds: 4, 10, 5 s
+
+
+def test_the_closing_comparison_runs_the_rounds_that_fit_in_what_the_budget_left():
+    from trainbridge.graph.stops import closing_rounds_that_fit
+
+    config = _config(budget_s=780, final_rounds=6, gate_rounds=8, compile_reference=False)
+    times = [{"node": "prepare", "wall_s": 4.0, "parts": {"baseline": 4.0}}, {"node": "profiler", "wall_s": 30.0, "parts": {}}]
+    verdicts = [_gate(timing_s=40.0, rounds=11)]  # 4 s a round
+    now = time.time()
+    assert closing_rounds_that_fit({"started_at": now - 100, "phase_times": times, "verdicts": verdicts}, config) == 6
+    # 740 s used: 40 s left, a round of two arms is 8 s (and never less than a typical gate's share, 30 x 2 / 16)
+    assert closing_rounds_that_fit({"started_at": now - 740, "phase_times": times, "verdicts": verdicts}, config) == 4
+    assert closing_rounds_that_fit({"started_at": now - 800, "phase_times": times, "verdicts": verdicts}, config) == 0
+    assert closing_rounds_that_fit({"started_at": now, "phase_times": times, "verdicts": verdicts}, _config(final_rounds=0)) == 0
