@@ -4,6 +4,9 @@ Where torch_npu's `transfer_to_npu` monkey-patches cuda -> npu at run time, this
 (device strings, `.cuda()`, `torch.cuda.*` that torch.npu provides, amp, nccl -> hccl, and
 `import torch_npu`), and reports with file:line what it cannot port: Triton, flash-attn, FP8, CUDA
 graphs, CUDA extensions, the `kernels` hub, torch.compile choices and cuDNN/CUDA backend flags.
+FP8 `torch._scaled_mm` ops become bf16 matmuls (fp8.py, flagged as a precision change) and Triton
+launches whose kernels it can read become the PyTorch ops they compute (triton_kernels.py,
+triton_math.py); what it cannot derive stays reported.
 """
 
 from trainbridge.tools.porting.repo import port_repo

@@ -155,7 +155,8 @@ def plan_triton(planner: PlannerView) -> None:
                 f"({(docstring or '').strip()!r}): check which is right.", None: ""}[agrees]
         symmetric = (" The kernel computes one triangle of blocks and mirrors it: equal where the result is symmetric "
                      "(inputs of the form A @ A.T, or a symmetric A)." if derived.symmetric else "")
-        new = cst.parse_statement(derived.code + "\n").with_changes(leading_lines=statement.leading_lines)
+        note = f"  # TrainBridge: the Triton kernel {name}, as PyTorch ops (port report)"
+        new = cst.parse_statement(derived.code + note + "\n").with_changes(leading_lines=statement.leading_lines)
         plan.exprs[id(statement)] = new
         gone.add(id(statement))
         ported_lines.add(line)
