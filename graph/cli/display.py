@@ -76,8 +76,9 @@ def print_outcome(name: str, waiting: dict | None, state: dict, finished: bool, 
     return True
 
 
-def show_review(payload: dict) -> None:
-    """The review payload (graph/review.py) as a person reads it: the patch, its intent and evidence, the figures so far."""
+def show_review(payload: dict, diff_to_stderr: bool = False) -> None:
+    """The review payload (graph/review.py) as a person reads it: the patch, its intent and evidence, the figures so far
+    (on stderr; the patch on stdout unless stdout carries JSON)."""
     intent = payload.get("intent") or {}
     where = ", ".join(f"{s['file']}:{s['line_start']}" for s in intent.get("spans") or [])
     console.print(f"candidate {payload['candidate']} — recipe {payload.get('recipe_id')} — intent {intent.get('category')} at {where}",
@@ -92,7 +93,7 @@ def show_review(payload: dict) -> None:
         for verdict in judged:
             ratio = f", ratio {verdict['ratio']:.3f}" if verdict.get("ratio") else ""
             console.print(f"  {verdict['candidate']}: {verdict['reason']}{ratio}", soft_wrap=True, highlight=False)
-    Console().print(Syntax(payload.get("diff") or "", "diff"))
+    (console if diff_to_stderr else Console()).print(Syntax(payload.get("diff") or "", "diff"))
 
 
 def ask_decision(payload: dict, action: Optional[str], reason: Optional[str], patch_file: Optional[Path]) -> dict:

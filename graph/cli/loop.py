@@ -315,11 +315,18 @@ def review_cmd(
     patch_file: Optional[Path] = typer.Option(None, "--patch", help="For edit: the replacement patch (default: open $EDITOR on the current one)."),
     server: Optional[str] = typer.Option(None, "--server", help="The run is on the LangGraph server at this URL (`trainbridge run --server`, Studio)."),
     checkpoint: Optional[str] = _checkpoint_option(),
+    json_out: Optional[Path] = json_option("run's record when the run stops again (as `run --json` writes it; not with --server)"),
+    verbose: bool = _verbose_option(),
+    quiet: bool = _quiet_option(),
 ) -> None:
     """Show the patch a paused run waits on, and approve, reject (with a reason) or edit it; then the run continues.
 
     The same review, payload and answer whether the run is local or on a LangGraph server (--server URL)."""
+    level = verbosity(verbose, quiet)
     if server:
+        if json_out is not None or level != DEFAULT:
+            _error("--json, -v and -q are for a local run's review; a served run's lines come from its server")
+            raise typer.Exit(2)
         review_on_server(server, run_id, action, reason, patch_file)
         return
     from trainbridge.graph.runs import RunError, answer_review, run_status
@@ -334,14 +341,14 @@ def review_cmd(
     if payload is None:
         _error(f"run {run_id} is not waiting for a review")
         raise typer.Exit(2)
-    show_review(payload)
+    show_review(payload, diff_to_stderr=to_stdout(json_out))
     decision = ask_decision(payload, action, reason, patch_file)
     try:
-        outcome = answer_review(run_id, decision, say=_say, checkpoint=url)
+        outcome = answer_review(run_id, decision, say=say_at(level), checkpoint=url)
     except (RunError, ValueError) as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
-    _report_outcome(outcome)
+    _report_outcome(outcome, json_out, level)
 
 
 def report_cmd(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run."),
@@ -409,19 +416,27 @@ def demo(
                   f"branch {outcome.state.get('run_branch')}", soft_wrap=True)
 
 
-def verify(run_id: str = typer.Argument(..., callback=valid_run_id, help="A run whose NPU candidates wait on trainbridge/<run-id>.pending-npu.")) -> None:
-    """On an NPU host: replay the pending NPU candidates through the full gate (numerics + timing) and fast-forward the accepted ones onto the run branch."""
+def verify(run_id: str = typer.Argument(..., callback=valid_run_id, help="A run whose NPU candidates wait on trainbridge/<run-id>.pending-npu."),
+           json_out: Optional[Path] = json_option("verification's record (every replayed candidate's decision, the run branch before and after)"),
+           verbose: bool = _verbose_option(),
+           quiet: bool = _quiet_option()) -> None:
+    """On an NPU host: replay the pending NPU candidates through the full gate (numerics + timing) and fast-forward the accepted ones onto the run branch.
+
+    Prints each decision as a JSON line on stdout (or, with --json, the whole record there or in a file, and nothing else)."""
     from trainbridge.graph.runs import RunError
     from trainbridge.graph.verify import VerifyError, VerifyRefused, verify_run
 
+    level = verbosity(verbose, quiet)
     try:
-        report = verify_run(run_id, say=_say)
+        report = verify_run(run_id, say=say_at(level))
     except VerifyRefused as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
     except (VerifyError, RunError) as exc:
         _error(str(exc))
         raise typer.Exit(1) from None
-    for outcome in report.outcomes:
-        print(json.dumps(outcome.model_dump(mode="json"), default=str))
+    write_json(json_out, report.model_dump(mode="json"))
+    if json_out is None:
+        for outcome in report.outcomes:
+            print(json.dumps(outcome.model_dump(mode="json"), default=str))
     console.print(f"run branch {report.run_head_before[:12]} -> {report.run_head_after[:12]}; decisions in {report.record_path}", soft_wrap=True)
