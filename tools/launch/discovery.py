@@ -362,6 +362,9 @@ def _describe_best(discovery: Discovery, root: Path, facts_of) -> None:
         how.append("argparse options")
     if any(s.kind == "dataclass field" for s in settings.values()):
         how.append("a hyperparameter dataclass (overrides of its defaults)")
+    library = sorted({s.key.split("(")[0] for s in settings.values() if s.key.split("(")[0] in LIBRARY_SETTING_CALLS})
+    if library:
+        how.append(f"a library's own arguments ({', '.join(f'{call}(...)' for call in library)}: call overrides)")
     discovery.configurable_by = how
     discovery.distributed = script.distributed
     discovery.pythonpath = _import_roots(root, best.script, script)
