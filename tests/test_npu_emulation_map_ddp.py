@@ -2,7 +2,7 @@
 NPU program runs under) runs a ported torchrun program: init_process_group("hccl") is gloo underneath, and
 DDP(model, device_ids=[local_rank]) trains the mapped (CPU) module. Before, the compile reference of a ported
 Modded-NanoGPT record stopped at "Unknown backend type hccl", and past it at DDP's refusal of device_ids for a CPU
-module."""
+module. A CUDA program's enable_math_sdp(False) leaves the mapped CPU its math attention kernel."""
 
 from __future__ import annotations
 
@@ -49,3 +49,28 @@ def test_mapped_npu_runs_hccl_and_ddp_with_device_ids(tmp_path):
     assert results[0]["loss"] != results[1]["loss"]  # different data per rank ...
     assert all(r["same_grads"] for r in results)  # ... gradients averaged by DDP over gloo
     assert all(r["device"] == "cpu" for r in results)  # the mapping: npu tensors are CPU tensors
+
+
+_SDPA_SCRIPT = textwrap.dedent(r"""
+    import torch, torch_npu
+    import torch.nn.functional as F
+    from torch.backends.cuda import enable_cudnn_sdp, enable_flash_sdp, enable_math_sdp, enable_mem_efficient_sdp
+    enable_cudnn_sdp(True)
+    enable_flash_sdp(False)
+    enable_mem_efficient_sdp(False)
+    enable_math_sdp(False)
+    q = torch.randn(1, 2, 8, 4).npu()
+    y = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    print("RESULT", tuple(y.shape), bool(torch.isfinite(y).all()))
+""")
+
+
+def test_mapped_npu_keeps_math_attention_when_a_cuda_program_turns_it_off(tmp_path):
+    selection = NpuSelection(mode="emulated", cause="not_installed", reason="test", python=sys.executable)
+    env = selection_env(selection, {k: v for k, v in os.environ.items() if k != "TRAINBRIDGE_NPU_EMULATION_DEVICE_MAP"})
+    env.update({"TRAINBRIDGE_NPU_EMULATION_DEVICE": "map", "OMP_NUM_THREADS": "1"})
+    (tmp_path / "sdpa.py").write_text(_SDPA_SCRIPT)
+    proc = subprocess.run([sys.executable, str(tmp_path / "sdpa.py")], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "RESULT (1, 2, 8, 4) True" in proc.stdout

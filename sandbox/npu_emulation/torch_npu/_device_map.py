@@ -109,6 +109,18 @@ def _patch_ddp() -> None:
     DistributedDataParallel.__init__ = __init__
 
 
+def _keep_math_sdpa() -> None:
+    """torch.backends.cuda.enable_math_sdp(False) is a CUDA program's choice among its attention kernels (records 8-10
+    of Modded-NanoGPT keep only cuDNN's); on the mapped CPU it would leave scaled_dot_product_attention no kernel at
+    all. The math kernel stays on, as the emulated device's attention ignores the CUDA backend flags."""
+    original = torch._C._set_sdp_use_math
+
+    def _set_sdp_use_math(enabled: bool) -> None:
+        original(True)
+
+    torch._C._set_sdp_use_math = _set_sdp_use_math
+
+
 def install(npu_module) -> None:
     """Idempotent; raises if another PrivateUse1 backend is already registered in this process."""
     global _installed
@@ -131,4 +143,5 @@ def install(npu_module) -> None:
 
     install_collectives()  # init_process_group("hccl") as a ported torchrun program calls it: gloo underneath
     _patch_ddp()
+    _keep_math_sdpa()
     _installed = True
