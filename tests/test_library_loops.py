@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")  # dev dependencies (pyproject's dev extra, pinned in constraints.txt)
 pytest.importorskip("accelerate")
@@ -121,3 +122,39 @@ def test_the_gate_judges_a_candidate_of_a_lightning_module(tmp_path):
     # the probe ran Lightning's closure steps on both sides: the same losses and gradients within tolerance
     assert verdict.numerics is not None and verdict.numerics.passed, verdict.message
     assert verdict.reason.value in GATE_REASONS, (verdict.reason, verdict.message)
+
+
+def test_accelerates_optimizer_wrapper_is_left_out_for_the_optimizer_it_wraps_and_can_be_counted():
+    from accelerate import Accelerator
+
+    from trainbridge.sandbox.script.hooks import live_optimizers
+    from trainbridge.tools.eager_op_counts import OpCounter
+
+    model = torch.nn.Linear(4, 4)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, wrapped = Accelerator(cpu=True).prepare(model, inner)
+    assert type(wrapped).__name__ == "AcceleratedOptimizer" and isinstance(wrapped, torch.optim.Optimizer)
+    with pytest.raises(AttributeError, match="_optimizer_step_pre_hooks"):  # what the compile reference's counter met
+        wrapped.register_step_pre_hook(lambda *a: None)
+    listed = [o for o in live_optimizers() if o is inner or o is wrapped]
+    assert listed == [inner]
+    OpCounter([model], listed).install().remove()  # hooks only the optimizer whose __init__ ran
+
+
+def test_the_compile_arm_compiles_the_model_a_lightning_module_holds_when_it_has_no_forward_of_its_own():
+    import pytorch_lightning as pl
+
+    from trainbridge.sandbox.script.library_steps import forward_owners
+
+    class Holds(pl.LightningModule):  # training_step calls self.model(...), as people write around a library model
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+            self.metric = torch.nn.Identity()  # no parameters: nothing to compile
+
+    class Own(Holds):
+        def forward(self, x):
+            return self.model(x)
+
+    holds, own = Holds(), Own()
+    assert forward_owners(holds) == [holds.model] and forward_owners(own) == [own]

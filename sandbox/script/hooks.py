@@ -43,7 +43,8 @@ from trainbridge.sandbox.numerics_probe import bits_fingerprint
 from trainbridge.sandbox.random_alignment import aligned_by
 from trainbridge.sandbox.child.step_server import save_parameter_deltas
 from trainbridge.sandbox.device_kernels import KernelCounter, step_reply_field
-from trainbridge.sandbox.script.library_steps import find_closure, real_optimizers, replay, run_longer_override, with_closure
+from trainbridge.sandbox.script.library_steps import (find_closure, forward_owners, real_optimizers, replay,
+                                                     run_longer_override, with_closure)
 
 
 
@@ -133,7 +134,7 @@ def compile_trained_modules() -> list[str]:
     import torch
 
     compiled = []
-    for root in trained_root_modules():
+    for root in (owner for module in trained_root_modules() for owner in forward_owners(module)):  # a LightningModule's model
         if hasattr(root, "_orig_mod") or "forward" in vars(root):  # compiled by the script, or by us already
             continue
         # the class's function, bound again: a compiled bound method would be wrapped in Dynamo's shared `inner`

@@ -60,6 +60,20 @@ def replay(first_result: Any, closure: Callable[[], Any], again: Callable[[Calla
     return closure_for_step
 
 
+# Where a module class's `forward` is no model's own: nn.Module's placeholder, LightningModule's pass-through
+_CONTAINER_FORWARDS = ("torch.nn.modules.module", "pytorch_lightning.core.module", "lightning.pytorch.core.module")
+
+
+def forward_owners(module: Any) -> list[Any]:
+    """The modules whose `forward` a step calls, to compile for the torch.compile arm: `module` itself, or, when its class
+    has no forward of its own (a LightningModule whose training_step calls `self.model(...)`), its children that hold
+    parameters, by the same rule."""
+    owner = next((cls for cls in type(module).__mro__ if "forward" in vars(cls)), None)
+    if owner is None or owner.__module__ not in _CONTAINER_FORWARDS:
+        return [module]
+    return [found for child in module.children() if any(True for _ in child.parameters()) for found in forward_owners(child)]
+
+
 def run_longer_override() -> str:
     """The `[overrides]` line that lets a script that ended too early run longer, in its loop's own terms: a library
     trainer's `max_steps` argument when one is loaded, else a command-line argument."""
