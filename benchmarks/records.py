@@ -143,13 +143,15 @@ def pick(records: str) -> list[RecordSource]:
     return [BY_NUMBER[n] for n in numbers]
 
 
-def write_results(rows: list[dict[str, Any]], out: Path, argv: list[str], date: str) -> tuple[Path, Path]:
+def write_results(rows: list[dict[str, Any]], out: Path, argv: list[str], date: str,
+                  batches: list[list[str]] | None = None) -> tuple[Path, Path]:
+    """<out>.json and <out>.md; `batches`: the argv of every command whose rows are merged here."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"date": date, "argv": argv, "speed": "NPU speed unmeasured: kernels counted on the emulated npu",
-               "records": rows}
+    payload = {"date": date, "argv": argv, "batches": batches or [argv],
+               "speed": "NPU speed unmeasured: kernels counted on the emulated npu", "records": rows}
     json_path, md_path = out.with_suffix(".json"), out.with_suffix(".md")
     json_path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-    md_path.write_text(markdown(rows, argv, date), encoding="utf-8")
+    md_path.write_text(markdown(rows, argv, date, batches), encoding="utf-8")
     return json_path, md_path
 
 
@@ -160,6 +162,10 @@ def merge(previous: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     kept = {r["record"]: r for r in json.loads(previous.read_text(encoding="utf-8")).get("records") or []}
     kept.update({r["record"]: r for r in rows})
     return [kept[n] for n in sorted(kept)]
+
+
+def _batches(previous: Path) -> list[list[str]]:
+    return json.loads(previous.read_text(encoding="utf-8")).get("batches") or [] if previous.exists() else []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,13 +199,14 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_records(sources, args.mirror.resolve(), Path(tmp), home, slots=args.slots, budget_s=args.budget,
                            max_candidates=args.max_candidates, gate_rounds=args.rounds, categories=tuple(args.category),
                            port_only=args.port_only)
+    batches = None
     if args.merge:
-        rows = merge(out.with_suffix(".json"), rows)
+        rows, batches = merge(out.with_suffix(".json"), rows), _batches(out.with_suffix(".json")) + [argv]
     for r in rows:
         print(f"record {r['record']}: ran={r['ran']} {r['npu_kernels_per_step_before']} -> "
               f"{r['npu_kernels_per_step_after']} kernels/step, {r['pending_numerics_ok']} verified"
               + (f"; why: {r['why']}" if r.get("why") else ""), flush=True)
-    json_path, md_path = write_results(rows, out, argv, date)
+    json_path, md_path = write_results(rows, out, argv, date, batches)
     print(f"wrote {json_path} and {md_path}")
     return 0
 

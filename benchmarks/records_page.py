@@ -8,6 +8,15 @@ from typing import Any
 from records_catalog import ARGPARSE, BY_NUMBER, EARLY, LATE
 
 
+BAR_VERIFIED, BAR_CUT = 3, 0.30
+
+
+def meets_bar(row: dict[str, Any]) -> bool:
+    before, after = row.get("npu_kernels_per_step_before"), row.get("npu_kernels_per_step_after")
+    return bool(row["ran"] and row["pending_numerics_ok"] >= BAR_VERIFIED and before and after is not None
+                and after <= before * (1 - BAR_CUT))
+
+
 def _change(row: dict[str, Any]) -> str:
     before, after = row.get("npu_kernels_per_step_before"), row.get("npu_kernels_per_step_after")
     if not before or after is None:
@@ -44,10 +53,13 @@ def _profile(name: str, overrides: dict[str, Any]) -> str:
     return f"- **{name}**: " + ", ".join(f"`{key} = {value!r}`" for key, value in overrides.items())
 
 
-def markdown(rows: list[dict[str, Any]], argv: list[str], date: str) -> str:
+def markdown(rows: list[dict[str, Any]], argv: list[str], date: str, batches: list[list[str]] | None = None) -> str:
+    """The page; `batches`: the commands whose rows were merged into it (one per session's batch), else `argv`."""
     ran = [r for r in rows if r["ran"]]
+    commands = [f"`.venv/bin/python benchmarks/records.py {' '.join(a)}`".replace(" `", "`") for a in batches or [argv]]
     lines = [f"# Modded-NanoGPT records, `trainbridge port` and `trainbridge run --target npu` record by record ({date})", "",
-             f"Command: `.venv/bin/python benchmarks/records.py {' '.join(argv)}`".rstrip() + " (CPU host, no NPU).", "",
+             ("Command: " if len(commands) == 1 else "Commands, their rows merged (--merge): ") + "; ".join(commands)
+             + " (CPU host, no NPU).", "",
              "**NPU speed is unmeasured here.** The published speedup is the NPU port's own table (8x Ascend 910C, "
              "optimized against direct-port minutes); beside it stands what can be counted without an NPU: the NPU "
              "kernels one training step launches on the emulated device (forward, backward and optimizer; a fused "
@@ -55,7 +67,9 @@ def markdown(rows: list[dict[str, Any]], argv: list[str], date: str) -> str:
              "rewrites. The reference column is what torch.compile (Inductor, host CPU) runs the model's forward and "
              "backward in. Every record runs shrunk (one process, tiny widths, short sequences), so the counts are "
              "the shrunk program's.", "",
-             f"{len(ran)} of {len(rows)} records ran.", ""]
+             f"{len(ran)} of {len(rows)} records ran; {sum(meets_bar(r) for r in rows)} meet issue 28's bar (ran, at least "
+             f"{BAR_VERIFIED} numerics-verified pending rewrites, kernels per step cut by at least {BAR_CUT:.0%} on the "
+             "pending head).", ""]
     lines += table(rows)
     lines += ["", "## Records that did not run, and why", ""]
     lines += [f"- **{r['record']} {r['name']}**: {r['why'] or 'no baseline measured'}" for r in rows if not r["ran"]] or ["- none"]
