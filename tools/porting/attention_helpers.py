@@ -128,6 +128,7 @@ def _tb_npu_flash_attn(q, k, v, *, softmax_scale=None, causal=False, window_size
     """flash_attn_func(q, k, v) in [B, S, H, D] (FlashAttention 2 and 3) on npu_fusion_attention (BSND)."""
     left, right = _tb_npu_flash_band(causal, window_size)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    q, k, v = (t.contiguous() for t in (q, k, v))
     return _tb_npu_band_attention(q, k, v, "BSND", scale, left, right, False, keep_prob=1.0 - dropout_p)
 
 
@@ -155,6 +156,7 @@ def _tb_npu_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=
     left, right = _tb_npu_flash_band(causal, window_size)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     seq_q, seq_k = _tb_npu_varlen_ends(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    q, k, v = (t.contiguous() for t in (q, k, v))
     return _tb_npu_band_attention(q, k, v, "TND", scale, left, right, False, seq_q, seq_k, keep_prob=1.0 - dropout_p)
 
 
