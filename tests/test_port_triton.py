@@ -330,12 +330,24 @@ def test_kernels_that_cannot_be_derived_stay_reported_with_why_and_the_kernel_li
         def lower(x, out):
             causal_kernel[(1,)](x, out, x.size(0), x.stride(-2), x.stride(-1), BM=32)
             return out
+
+        @triton.jit
+        def tma_matmul_kernel(a_desc, b_desc, c_desc, K, BK: tl.constexpr):
+            acc = tl.zeros((64, 64), dtype=tl.float32)
+            for k in range(0, K, BK):
+                acc = tl.dot(a_desc.load([0, k]), b_desc.load([0, k]).T, acc)
+            c_desc.store([0, 0], acc)
+
+        def tma_matmul(a_desc, b_desc, c_desc, K):
+            tma_matmul_kernel[(1,)](a_desc, b_desc, c_desc, K, BK=64)
         ''')
     result = _port(code)
     assert result.source == code and result.changes == []
     launches = {s.line: s.reason for s in result.skipped if s.category == SkipCategory.triton and "launch" in s.reason}
     ce, causal = _line_of(code, "softcap_ce_kernel[("), _line_of(code, "causal_kernel[(")
-    assert set(launches) == {ce, causal}
+    tma = _line_of(code, "tma_matmul_kernel[(")
+    assert set(launches) == {ce, causal, tma}
+    assert "`a_desc.load` goes through a tensor descriptor (TMA)" in launches[tma]
     assert "`tl.max` is not read" in launches[ce]
     assert f"(line {_line_of(code, 'def softcap_ce_kernel')})" in launches[ce]
     assert f"(line {_line_of(code, 'm = tl.max')})" in launches[ce]

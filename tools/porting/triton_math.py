@@ -230,6 +230,8 @@ class _Kernel:
         if isinstance(call.func, cst.Attribute) and call.func.attr.value == "to" and not func.startswith("tl."):
             return self.value(call.func.value)  # a cast: the output dtype is the receiving tensor's
         if not func.startswith("tl."):
+            if isinstance(call.func, cst.Attribute) and call.func.attr.value in ("load", "store"):
+                raise NotDerived(f"`{func}` goes through a tensor descriptor (TMA), which this pass does not read", call)
             if any(self.value(a) is not None for a in args + list(kwargs.values())):
                 raise NotDerived(f"`{func or 'a call'}` is called on a tile", call)
             return None
