@@ -363,3 +363,41 @@ def test_the_patch_module_leaves_the_library_alone_when_the_function_is_missing_
     assert any("no_such_model.modeling does not import" in m for m in said), said
     assert any("its signature is not the patch's ((self, hidden_states: torch.Tensor) -> torch.Tensor vs (self, x, residual))" in m
                for m in said), said
+
+
+def test_eager_attention_becomes_one_npu_fusion_attention_that_trains_like_the_library(tmp_path, intents):
+    """The NPU counterpart of the SDPA patch above (attention-hf-llama-patch-npu): one npu_fusion_attention per layer,
+    the patched model training like the library's on the emulated NPU, with fewer NPU kernels."""
+    from trainbridge.tools.library_code import library_span
+
+    root = tmp_path / "user"
+    _repo(root)
+    eager = (root / SCRIPT).read_text().replace("use_cache=False)", 'use_cache=False, attn_implementation="eager")')
+    assert 'attn_implementation="eager"' in eager
+    (root / SCRIPT).write_text(eager)
+    repo = git.Repo(root)
+    repo.git.commit("-am", "eager attention")
+    lines = [i for i, line in enumerate(Path(modeling_llama.__file__).read_text().splitlines(), start=1)
+             if line.startswith("def eager_attention_forward(")]
+    library = library_span("transformers/models/llama/modeling_llama.py", lines[0], lines[0] + 20, "eager_attention_forward")
+    spans = intents["rmsnorm"].spans  # the model(...) line of the same script
+    attention = Intent(id=Intent.make_id("attention", spans, library), category="attention", spans=spans, library=library,
+                       confidence=0.5, source="advisor_rule")
+    assert own_recipes(_Kb(), attention, "npu", None)[0] == "attention-hf-llama-patch-npu"
+    made = make_candidate(workspace(repo, tmp_path), attention, RECIPES["attention-hf-llama-patch-npu"])
+    assert isinstance(made, Candidate), made
+    tree = Path(made.worktree)
+    assert "'eager_attention_forward', _tb_llama_eager_attention_npu)" in (tree / PATCH_MODULE).read_text()
+
+    selection = NpuSelection(mode="emulated", cause="not_installed", reason="test", python=sys.executable)
+    env = selection_env(selection, {k: v for k, v in os.environ.items() if not k.startswith("TRAINBRIDGE_NPU_EMULATION")})
+    child = tmp_path / "child.py"
+    child.write_text(_CHILD.replace("modeling_llama.apply_rotary_pos_emb.__name__", "None"))  # rope is not patched here
+    proc = subprocess.run([sys.executable, str(child), str(root / SCRIPT), str(tree)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert r["installed"] == ["transformers.models.llama.modeling_llama.eager_attention_forward"]
+    assert r["loss"] == pytest.approx(r["base_loss"], rel=1e-5)
+    assert r["worst_rel"] < 1e-3 and r["cosine"] > 0.99999, r
+    assert r["kernels"] < r["base_kernels"], r  # one fused attention each way instead of repeat_kv, matmuls, mask, softmax
