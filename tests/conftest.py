@@ -13,7 +13,7 @@ BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 if BENCHMARKS not in sys.path:
     sys.path.append(BENCHMARKS)
 
-pytest_plugins = ["trainbridge.tests.suite_clock", "trainbridge.tests.leak_watch"]
+pytest_plugins = ["trainbridge.tests.suite_clock", "trainbridge.tests.leak_watch", "trainbridge.tests.review_run_support"]
 
 
 def pytest_configure(config):

@@ -9,7 +9,8 @@
   run branch moved, at seeded random moments), resumed each time: same commits and verdicts as the
   uninterrupted run, no duplicates, nothing lost, the repository intact;
 - review across processes (slow): process 1 stops at the first patch, `trainbridge review` in
-  process 2 rejects it with a reason, process 3 approves the next one.
+  process 2 rejects it with a reason, process 3 approves the next one (the session's one such run:
+  tests/review_run_support.py; tests/test_server.py's served run must end as it does).
 
 Decisions are deterministic by construction (see tests/loop_fixtures.py): numerics decide the
 planted candidate, and the GELU rewrite halves the step against a 5% minimum gain.
@@ -52,36 +53,10 @@ from trainbridge.tests.loop_fixtures import (
     loop_config,
     make_loop_repo,
 )
+from trainbridge.tests.review_run_support import DRIVER  # the loop in a child process, killable after a git command
 
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# The loop in a child process. Optionally it SIGKILLs itself right after a given git command
-# succeeded (the moment a crash hurts most: the commit or ref move exists, the checkpoint does not).
-DRIVER = r"""
-import json, os, signal, sys
-args = json.loads(sys.argv[1])
-if args.get("kill_after"):
-    from trainbridge.tools.git import runner as git_runner
-    kind, ref = args["kill_after"]
-    original = git_runner._git_status
-    def _git_status(cwd, *argv, **kwargs):
-        result = original(cwd, *argv, **kwargs)
-        moved_run_branch = "update-ref" in argv and ref in argv and argv[-1] != ""  # not its creation
-        if result[0] == 0 and ((kind == "commit" and "commit" in argv) or (kind == "move" and moved_run_branch)):
-            print(f"KILLING MYSELF after git {' '.join(a for a in argv if not a.startswith('-c'))[:200]}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        return result
-    git_runner._git_status = _git_status
-from trainbridge.graph.runs import resume_run, start_run
-from trainbridge.graph.state import RunConfig
-say = lambda message: print(message, flush=True)
-if args["action"] == "start":
-    outcome = start_run(RunConfig.model_validate(args["config"]), say=say)
-else:
-    outcome = resume_run(args["run_id"], say=say)
-print("OUTCOME " + json.dumps({"finished": outcome.finished, "waiting": outcome.waiting_for_review}), flush=True)
-"""
 
 
 @pytest.fixture(autouse=True)
@@ -342,40 +317,36 @@ def test_killed_at_many_points_resumes_to_the_same_branch_and_verdicts(reference
 
 
 @pytest.mark.slow
-def test_review_across_processes_reject_then_approve(tmp_path):
-    repo = make_loop_repo(tmp_path / "repo")
-    home = tmp_path / "home"
-    config = loop_config(repo, "reviewed", tmp_path, review=True, gate_rounds=2)
-    runs = home / "runs"
-
-    first = Driver(start_args(config), home, tmp_path / "process-1.log")
-    assert first.watch() == 0, first.tail()
-    assert "OUTCOME" in first.tail() and '"waiting": {' in first.tail()
-    paused = run_status("reviewed", root=runs)
+def test_review_across_processes_reject_then_approve(reviewed_cli_run):
+    """Process 1 stops at the first patch, `trainbridge review` in process 2 rejects it with a reason, process 3
+    approves the next one (the run is tests/review_run_support.py's, which tests/test_server.py's served run matches)."""
+    run = reviewed_cli_run
+    first = run.first.stdout[-3000:]
+    assert run.first.returncode == 0, first
+    assert "OUTCOME" in first and '"waiting": {' in first
+    paused = run.paused
     payload = paused["waiting_for_review"]
     assert payload is not None and paused["next"] == ["review"] and payload["schema"] == 1
     first_candidate = payload["candidate"]
 
-    second = subprocess.run([*cli_argv(), "review", "reviewed", "--action", "reject", "--reason", REJECT_REASON],
-                            cwd=tmp_path, env=child_env(home), capture_output=True, text=True, timeout=600)
+    second = run.second
     assert second.returncode == 0, second.stdout + second.stderr
     assert "paused for review" in second.stderr, second.stderr
-    again = run_status("reviewed", root=runs)
+    again = run.again
     assert again["waiting_for_review"] is not None and again["waiting_for_review"]["candidate"] != first_candidate
     rejected = [v for v in again["state"]["verdicts"] if v["candidate"] == first_candidate]
     assert [(v["reason"], v["message"]) for v in rejected] == [("rejected_in_review", REJECT_REASON)]
 
-    third = subprocess.run([*cli_argv(), "review", "reviewed", "--action", "approve"], cwd=tmp_path, env=child_env(home),
-                           capture_output=True, text=True, timeout=600)
+    third = run.third
     assert third.returncode == 0, third.stdout + third.stderr
     assert "run reviewed finished" in third.stderr, third.stderr
-    final = run_status("reviewed", root=runs)
+    final = run.final
     assert final["finished"] and final["waiting_for_review"] is None
     verdicts = final["state"]["verdicts"]
     assert len(verdicts) == 2 and verdicts[0]["candidate"] == first_candidate
     assert verdicts[1]["reason"] != "rejected_in_review"  # approved: the gate judged it
-    outcomes = {o.id: o for o in run_outcomes(config.kb_dir, "reviewed")}
+    outcomes = {o.id: o for o in run_outcomes(run.config.kb_dir, "reviewed")}
     assert outcomes[f"outcome-reviewed-{first_candidate}"].verdict == f"rejected_in_review: {REJECT_REASON}"
     assert len(outcomes) == 2
-    assert subprocess.run([*cli_argv(), "review", "reviewed", "--action", "approve"], cwd=tmp_path, env=child_env(home),
+    assert subprocess.run([*cli_argv(), "review", "reviewed", "--action", "approve"], cwd=run.tmp, env=child_env(run.home),
                           capture_output=True, text=True, timeout=120).returncode == 2  # nothing waits any more

@@ -10,7 +10,8 @@
   a run with review on the loop workload (tests/loop_fixtures.py) is submitted, its interrupt read
   through langgraph_sdk, the first patch rejected with a reason (`trainbridge review --server`), the
   next approved (a plain langgraph_sdk resume); it finishes with the same branch, verdicts and
-  knowledge-base entries as the same run done in process with `start_run` + `answer_review`.
+  knowledge-base entries as the same run done from the command line (`start_run`, then `trainbridge review`, which
+  answers with `answer_review`, in two more processes: tests/review_run_support.py's run, also tests/test_loop.py's).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainbridge.graph.runs import answer_review, start_run
 from trainbridge.graph.state import RunConfig, RunPaths
 from trainbridge.tests.loop_fixtures import git, loop_config, make_loop_repo
 from trainbridge.tests.loop_checks import (
@@ -360,23 +360,18 @@ def same_patch(payload: dict) -> tuple:
 
 
 @pytest.mark.slow
-def test_served_run_reviewed_through_the_server_api_matches_the_cli_run(server, tmp_path, monkeypatch):
+def test_served_run_reviewed_through_the_server_api_matches_the_cli_run(server, tmp_path, reviewed_cli_run):
     from langgraph_sdk import get_sync_client
 
     from trainbridge.graph.server import served_by
     from trainbridge.graph.cli.server_client import ServerError, submit_run
 
-    # the run in process, as `trainbridge run --review` + `trainbridge review` do it
-    local = tmp_path / "cli"
-    local_repo = make_loop_repo(local / "repo")
-    local_config = loop_config(local_repo, RUN_ID, local, review=True, gate_rounds=2)
-    monkeypatch.setenv("TRAINBRIDGE_HOME", str(local / "home"))
-    started = time.monotonic()
-    first = start_run(local_config, root=local / "home" / "runs")
-    second = answer_review(RUN_ID, {"schema": 1, "action": "reject", "reason": REJECT_REASON}, root=local / "home" / "runs")
-    local_final = answer_review(RUN_ID, {"schema": 1, "action": "approve"}, root=local / "home" / "runs")
-    print(f"in-process run: {time.monotonic() - started:.1f} s")
-    assert first.waiting_for_review and second.waiting_for_review and local_final.finished
+    # the same run from the command line (`start_run` in one process, `trainbridge review` rejecting and approving in
+    # two more: tests/review_run_support.py, whose run tests/test_loop.py checks), its status after each process
+    cli = reviewed_cli_run
+    assert cli.paused and cli.again and cli.final, cli.first.stdout[-3000:]
+    first_patch, second_patch, local_state = cli.paused["waiting_for_review"], cli.again["waiting_for_review"], cli.final["state"]
+    assert first_patch and second_patch and cli.final["finished"]
 
     # the same run on the server: submitted with the client helper `trainbridge run --server` uses
     served = tmp_path / "served"
@@ -398,7 +393,7 @@ def test_served_run_reviewed_through_the_server_api_matches_the_cli_run(server, 
     state = client.threads.get_state(thread_id)
     payload = interrupt_of(state)
     assert state["next"] == ["review"] and payload is not None
-    assert same_patch(payload) == same_patch(first.waiting_for_review)
+    assert same_patch(payload) == same_patch(first_patch)
     assert payload["measured"]["verdicts"] == [] and payload["measured"]["baseline_step_s"] > 0
     assert payload["respond_with"]["reject"] == {"schema": 1, "action": "reject", "reason": "..."}
     assert RunConfig.model_validate_json((server.runs / RUN_ID / "run.json").read_text()) == config
@@ -410,15 +405,15 @@ def test_served_run_reviewed_through_the_server_api_matches_the_cli_run(server, 
     server.watch()
     assert rejected.returncode == 0, rejected.stdout + rejected.stderr
     assert f"candidate {payload['candidate']}" in rejected.stderr and "+    return torch.nn.functional.gelu" in rejected.stdout
-    assert f"paused for review of candidate {second.waiting_for_review['candidate']}" in rejected.stderr, rejected.stderr
+    assert f"paused for review of candidate {second_patch['candidate']}" in rejected.stderr, rejected.stderr
     assert f"trainbridge review --server {server.url} {RUN_ID}" in rejected.stderr
 
     # the next patch, with the figures so far; approve it with a plain langgraph_sdk resume
     state = client.threads.get_state(thread_id)
     payload = interrupt_of(state)
-    assert same_patch(payload) == same_patch(second.waiting_for_review)
+    assert same_patch(payload) == same_patch(second_patch)
     so_far = [(v["candidate"], v["reason"], v["message"]) for v in payload["measured"]["verdicts"] if v["candidate"]]
-    assert so_far == [(first.waiting_for_review["candidate"], "rejected_in_review", REJECT_REASON)]
+    assert so_far == [(first_patch["candidate"], "rejected_in_review", REJECT_REASON)]
     client.runs.wait(thread_id, "trainbridge", command={"resume": {"schema": 1, "action": "approve"}})
     server.watch()
     state = client.threads.get_state(thread_id)
@@ -426,16 +421,16 @@ def test_served_run_reviewed_through_the_server_api_matches_the_cli_run(server, 
     assert state["next"] == [] and interrupt_of(state) is None, state["next"]
     final = state["values"]
 
-    # the same decisions, knowledge-base entries and branch as the run in process
-    assert decision_view(final["verdicts"]) == decision_view(local_final.state["verdicts"])
+    # the same decisions, knowledge-base entries and branch as the command line's run
+    assert decision_view(final["verdicts"]) == decision_view(local_state["verdicts"])
     assert [v["reason"] for v in final["verdicts"] if v["candidate"]] == ["rejected_in_review", "numerics_mismatch"]
-    assert final["stop_reason"] == local_final.state["stop_reason"] == "no intents left"
-    assert final["candidates_tried"] == local_final.state["candidates_tried"] == 2
-    assert outcome_view(config.kb_dir) == outcome_view(local_config.kb_dir) and len(outcome_view(config.kb_dir)) == 2
+    assert final["stop_reason"] == local_state["stop_reason"] == "no intents left"
+    assert final["candidates_tried"] == local_state["candidates_tried"] == 2
+    assert outcome_view(config.kb_dir) == outcome_view(cli.config.kb_dir) and len(outcome_view(config.kb_dir)) == 2
     branch = f"trainbridge/{RUN_ID}"
     assert [(c["tree"], c["subject"]) for c in run_commits(repo, final["base_sha"], branch)] == \
-           [(c["tree"], c["subject"]) for c in run_commits(local_repo, local_final.state["base_sha"], branch)]
-    assert git(repo, "rev-parse", f"{branch}^{{tree}}") == git(local_repo, "rev-parse", f"{branch}^{{tree}}")
+           [(c["tree"], c["subject"]) for c in run_commits(cli.repo, local_state["base_sha"], branch)]
+    assert git(repo, "rev-parse", f"{branch}^{{tree}}") == git(cli.repo, "rev-parse", f"{branch}^{{tree}}")
     assert_clean_repository(repo, RUN_ID)
     assert user_view(repo) == before
     assert Path(final["report_paths"][0]).is_file() and str(server.runs / RUN_ID / "report") in final["report_paths"][0]
