@@ -77,6 +77,9 @@ def test_init_finds_the_library_loop_and_its_check_measures_the_scripts_own_loss
     # loss the script printed for that step: backward's scalars summed (Lightning's closure ran inside optimizer.step)
     assert len(steps) >= 3 and printed[:len(steps)] == pytest.approx(steps, rel=1e-5), (steps, printed)
     assert result.extra["script"]["loss_sources"] == {"backward-unscaled": len(steps)}
+    # the library's own seeding (transformers' and accelerate's set_seed, Lightning's seed_everything) reached the gate's
+    seeded = {(function, value) for function, value, _ in result.extra["script"]["seed_calls"]}
+    assert {("torch.manual_seed", "1234"), ("random.seed", "1234")} <= seeded, seeded
     assert len(result.step_times_s) == 2 and all(t > 0 for t in result.step_times_s)
 
 
@@ -100,6 +103,7 @@ def trainbridge_run(repo: Path, home: Path, run_id: str, *args: str) -> dict:
 GATE_REASONS = {"accepted", "not_significant", "slower"}
 
 
+@pytest.mark.slow  # a whole run: baseline, profile, one candidate's gate (about 5 minutes on 2 busy cores)
 def test_trainbridge_run_on_a_trainer_script_reaches_a_gate_verdict(tmp_path):
     state = trainbridge_run(library_repo(tmp_path / "repo", "hf_trainer", 'launch = "python train.py"\n' + SMALL),
                             tmp_path / "home", "trainer", "--category", "rmsnorm")  # LlamaRMSNorm's library patch
