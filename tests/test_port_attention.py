@@ -8,7 +8,10 @@ gradients are compared:
 - FlexAttention programs against the ORIGINAL program run on the CPU here: the forward is flex_attention's
   own output; FlexAttention has no backward on the CPU, so the gradients are those of SDPA with the keep
   mask expanded from the BlockMask the original built (its blocks, and mask_mod inside partial blocks),
-  whose forward is checked against flex_attention's first;
+  whose forward is checked against flex_attention's first. The CPU's eager flex_attention applies only the
+  mask_mod and ignores a BlockMask's block lists (checked: a hand-built window of 1 or 4 blocks gives the
+  same output there), so for hand-built block masks with a binding window the reference is the block
+  structure the GPU kernel follows (blocks and mask_mod), not the CPU's output;
 - flash-attn programs (no CUDA here) against SDPA with flash-attn's documented masking (bottom-right
   causal, window_size=(w, 0) keeps keys i + d - w .. i + d, varlen sequences attended separately).
 All in float32; tolerance atol 2e-5, rtol 1e-4 (the same math summed in another order).
