@@ -122,7 +122,8 @@ _LATE_17 = {"GPT(num_heads)": None, "GPT(head_dim)": None, "GPT(model_dim)": Non
             "Hyperparameters.sequence_length": 1024, "Hyperparameters.val_tokens": 1024}
 _LATE_27 = {"GPT(head_dim)": None, "Hyperparameters.train_batch_size": None, "Hyperparameters.train_max_seq_len": None,
             "Hyperparameters.val_batch_size": None, "Hyperparameters.train_seq_len": 1024,
-            "Hyperparameters.val_seq_len": 1024, "Hyperparameters.val_tokens": 1024}
+            "Hyperparameters.val_seq_len": 1024, "Hyperparameters.val_tokens": 1024,
+            "CausalSelfAttention(head_dim)": 32}  # 27 takes head_dim there (default 128), asserting heads * it == width
 
 RECORDS: tuple[RecordSource, ...] = (
     RecordSource(2, "AdamW rotary lr", "2024-06-06_AdamW", "train_gpt2.py", 1.58, script="train_gpt2.py",
@@ -145,7 +146,8 @@ RECORDS: tuple[RecordSource, ...] = (
     RecordSource(10, "Cast bf16", "2024-11-08_CastBf16", "a833bed8-2fa8-4cfe-af05-58c1cc48bc30.txt", 2.12,
                  script="train_gpt2.py", profile="early"),
     RecordSource(17, "Sparsify embeds", "2024-12-17_SparsifyEmbeds", "165384d5-5a41-4fba-9b79-8ecc372616ea.txt", 2.58,
-                 overrides=_LATE_17, note="FlexAttention (block masks): needs the port's FlexAttention rewrite"),
+                 overrides=_LATE_17, note="FlexAttention (block masks); it opens logs/<run>.txt without creating "
+                                          "logs/ (its mkdir is commented out), which a run's scratch mirror lacks"),
     RecordSource(27, "Triton Muon", "2025-07-18_TritonMuon", "record.txt", 2.06, overrides=_LATE_27,
                  note="FlexAttention and a Triton symmetric-matmul kernel"),
     RecordSource(32, "Vect sigmoid bf16", "2025-09-11_VectSigmoidBFloat16", "0d0d9882-c34f-4d82-b961-a17d5659c988.txt",
