@@ -2,7 +2,8 @@
 (a `torch.library.custom_op` around `torch._scaled_mm` with float8_e4m3fn/e5m2 casts and scales, a backward op,
 `register_fake`, `register_autograd`): the port makes them bf16 matmuls, keeps the ops' signatures and autograd,
 reports each change as a precision change, and the ported program runs under the emulated torch_npu with outputs
-and gradients matching the FP8 op's math carried out in bf16 (and the full-precision product within bf16 error).
+and gradients matching the FP8 op's math carried out in bf16 (and the full-precision product within bf16 error),
+and the original FP8 op (run on the host, where torch._scaled_mm runs) within FP8 error.
 The program is our own, in the records' style; no record code is in this repository."""
 
 from __future__ import annotations
@@ -116,9 +117,17 @@ CHILD = textwrap.dedent('''\
     xd = x.to(program.device).requires_grad_()
     y = head(xd)
     y.backward(g.to(program.device))
+    # the original FP8 op, on the host (torch._scaled_mm runs on the CPU), under another op namespace
+    original = {}
+    exec(open("original.py").read().replace("tbtest", "tborig"), original)
+    xo = x.clone().requires_grad_()
+    wo = w.clone().requires_grad_()
+    yo = torch.ops.tborig.fp8_matmul(xo.flatten(0, -2), wo, *head.scales)[0].view(4, 8, -1)
+    yo.backward(g)
     torch.save({"y": y.detach().cpu(), "grad_x": xd.grad.cpu(), "grad_w": head.weight.grad.cpu(),
                 "x": x, "w": w, "g": g, "scales": head.scales, "y_dtype": str(y.dtype),
-                "grad_w_dtype": str(head.weight.grad.dtype)}, sys.argv[1])
+                "grad_w_dtype": str(head.weight.grad.dtype),
+                "fp8": {"y": yo.detach(), "grad_x": xo.grad, "grad_w": wo.grad}}, sys.argv[1])
     ''')
 
 
@@ -186,6 +195,7 @@ def test_ported_fp8_program_runs_on_the_npu_emulation_and_matches_the_ops_math(t
     result = port_source(PROGRAM, "program.py")
     (tmp_path / "program.py").write_text(result.source)
     (tmp_path / "child.py").write_text(CHILD)
+    (tmp_path / "original.py").write_text(PROGRAM)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")}
     env.update(OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0", PYTHONPATH=str(emulation_path()))
     out = tmp_path / "out.pt"
@@ -204,6 +214,12 @@ def test_ported_fp8_program_runs_on_the_npu_emulation_and_matches_the_ops_math(t
     assert _relative(got["y"], (x2 @ got["w"].T).view_as(got["y"])) < 1e-2
     assert _relative(got["grad_x"], (g2 @ got["w"]).view_as(got["grad_x"])) < 1e-2
     assert _relative(got["grad_w"], g2.T @ x2) < 1e-2
+    # the original FP8 op on the host computes the same products, coarser: the port moved them toward the exact ones
+    exact = {"y": (x2 @ got["w"].T).view_as(got["y"]), "grad_x": (g2 @ got["w"]).view_as(got["grad_x"]),
+             "grad_w": g2.T @ x2}
+    for name, fp8 in got["fp8"].items():
+        assert _relative(fp8, got[name]) < 0.15, name
+        assert _relative(got[name], exact[name]) < 0.5 * _relative(fp8, exact[name]), name
 
 
 @pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="this torch has no float8 dtypes")
