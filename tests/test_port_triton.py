@@ -355,3 +355,29 @@ def test_kernels_that_cannot_be_derived_stay_reported_with_why_and_the_kernel_li
         launches[causal]
     # the imports stay reported: the kernels still need Triton
     assert {2, 3} <= {s.line for s in result.skipped if s.category == SkipCategory.triton}
+
+
+def test_a_scalar_parameter_plus_a_tile_is_a_value_not_a_pointer():
+    code = textwrap.dedent('''\
+        import torch
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def shifted_square_kernel(x_ptr, out_ptr, n, shift, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            y = shift + tl.load(x_ptr + offs, mask=offs < n)
+            tl.store(out_ptr + offs, y * y, mask=offs < n)
+
+        def shifted_square(x, shift):
+            out = torch.empty_like(x)
+            shifted_square_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), shift, BLOCK=1024)
+            return out
+        ''')
+    result = _port(code)
+    assert [c.after for c in result.changes if c.kind == ChangeKind.triton_launch] == \
+        ["out.copy_(((shift + x) * (shift + x)))"]
+    namespace: dict = {}
+    exec(compile(result.source, "program.py", "exec"), namespace)
+    x = torch.randn(3, 7, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(namespace["shifted_square"](x, 0.5), (0.5 + x) ** 2)

@@ -28,7 +28,8 @@ GUARDED_IMPORT = ("try:  # TrainBridge: the NPU port launches no Triton kernel; 
                   "    triton = SimpleNamespace(__version__=None)  # no Triton here: its version reads None\n")
 DERIVED_REVIEW = (
     "derived by TrainBridge from the kernel's tl ops (loads, tl.dot, elementwise math, stores; the block tiling is not "
-    "traced): {math}.{docstring}{symmetric} Review that the launch covers the whole tensors")
+    "traced): {math}.{docstring}{symmetric} Casts inside the kernel (.to) are not kept: the PyTorch ops compute in "
+    "the tensors' dtype (matmuls accumulate in fp32 as tl.dot does). Review that the launch covers the whole tensors")
 
 
 class _Names(cst.CSTVisitor):

@@ -302,11 +302,11 @@ class _Kernel:
                 if self.value(small.value) is not None:
                     raise NotDerived("a tile unpacked into several names", small)
                 return
-            ptr = self.pointer(small.value)
+            value = self.value(small.value)
+            ptr = self.pointer(small.value) if value is None else None  # `scale + tile` is a value, not a pointer
             if ptr is not None:
                 self.ptrs[target.value] = ptr
                 return
-            value = self.value(small.value)
             self.values.pop(target.value, None)
             if value is not None:
                 self.values[target.value] = value
