@@ -20,6 +20,8 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -237,12 +239,19 @@ def apply_case(case: Case, folder: Path) -> Applied:
 
 
 class Lab:
+    """Runs the cases' programs, one child per group (a program, a backend, compile recipes apart from the rest), the
+    group's unmodified program (its baseline) first in the same child. `result(case)` runs the case's group when it is
+    first asked for; after `prefetch(workers)` it also starts the next groups' children, that many at a time."""
+
     def __init__(self, root: Path, cases: list[Case]):
         self.root, self.cases = root, cases
         self.applied: dict[Case, Applied] = {}
         self.results: dict[tuple[str, str], dict] = {}
         self.baselines: dict[str, dict] = {}
         self.children = 0
+        self._jobs: dict[Case, _Job] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead = 0
 
     def _copy(self, program: str, name: str) -> Path:
         target = self.root / name
@@ -250,21 +259,29 @@ class Lab:
             shutil.copytree(source_dir(program), target, ignore=shutil.ignore_patterns("__pycache__"))
         return target
 
-    def _run(self, programs: list[dict], npu: bool, timeout: float = 900) -> dict:
+    def _spec(self, programs: list[dict], npu: bool) -> Path:
+        """The runner and a numbered spec file for one child (written here, so that children run from threads never
+        write a file another one reads)."""
         self.children += 1
         spec_path = self.root / f"spec-{self.children}.json"
         out = spec_path.with_suffix(".out.json")
         spec = {"npu": npu, "device": "npu" if npu else "cpu", "programs": programs, "out": str(out)}
         spec_path.write_text(json.dumps(spec))
         runner = self.root / "runner.py"
-        runner.write_text(RUNNER)
+        if not runner.exists():
+            runner.write_text(RUNNER)
+        return spec_path
+
+    def _run(self, programs: list[dict], npu: bool, timeout: float = 900, spec_path: Path | None = None) -> dict:
+        spec_path = spec_path or self._spec(programs, npu)
+        out = spec_path.with_suffix(".out.json")
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env["OMP_NUM_THREADS"] = "1"
         if npu:
             selection = NpuSelection(mode="emulated", cause="not_installed", reason="recipe tests", python=PYTHON)
             env = selection_env(selection, env)
-        done = subprocess.run([PYTHON, str(runner), str(spec_path)], env=env, cwd=self.root, capture_output=True,
-                              text=True, timeout=timeout)
+        done = subprocess.run([PYTHON, str(self.root / "runner.py"), str(spec_path)], env=env, cwd=self.root,
+                              capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0 or not out.exists():
             raise AssertionError(f"the runner crashed:\n{done.stderr[-4000:]}")
         return json.loads(out.read_text())
@@ -272,34 +289,126 @@ class Lab:
     def _program(self, name: str, folder: Path, steps: int) -> dict:
         return {"name": name, "dir": str(folder), "seed": 0, "steps": steps, "grads": str(self.root / f"{name}.grads.pt")}
 
+    @staticmethod
+    def _baseline_key(program: str, steps: int, backend: str) -> str:
+        return f"{program}-base-{steps}" + ("" if backend == "cpu" else f"-{backend}")
+
     def baseline(self, program: str, steps: int, backend: str = "cpu") -> dict:
-        key = f"{program}-base-{steps}" + ("" if backend == "cpu" else f"-{backend}")
+        """The unmodified program's run (normally from its group's child; in a child of its own otherwise)."""
+        key = self._baseline_key(program, steps, backend)
+        for job in {id(j): j for j in self._jobs.values() if key in j.bases}.values():
+            self._collect(job)
         if key not in self.baselines:
             folder = self._copy(program, key)
             result = self._run([self._program(key, folder, steps)], npu=backend == "npu")[key]
-            assert result["ok"], f"the unmodified {program} does not run: {result.get('traceback')}"
             result["grads_path"] = str(self.root / f"{key}.grads.pt")
             self.baselines[key] = result
-        return self.baselines[key]
+        result = self.baselines[key]
+        assert result["ok"], f"the unmodified {program} does not run: {result.get('traceback')}"
+        return result
 
-    def result(self, case: Case) -> tuple[Applied, dict | None]:
-        if case not in self.applied:
-            group = [c for c in self.cases if c.program == case.program and c.backend == case.backend
-                     and c.expect != "refused" and c.recipe.startswith("compile-") == case.recipe.startswith("compile-")]
-            programs = []
+    def _group(self, case: Case) -> list[Case]:
+        return [c for c in self.cases if c.program == case.program and c.backend == case.backend
+                and c.expect != "refused" and c.recipe.startswith("compile-") == case.recipe.startswith("compile-")]
+
+    def _launch(self, case: Case) -> None:
+        """Apply the recipes of the case's group and start (with a pool: submit) its child: the baselines the group's
+        numerics need first, then every case whose recipe applied."""
+        group = self._group(case)
+        programs, bases = [], []
+        try:
             for c in group:
                 name = re.sub(r"[^A-Za-z0-9_.-]", "_", c.id)
                 folder = self._copy(c.program, name)
                 self.applied[c] = applied = apply_case(c, folder)
                 if applied.file is not None:
                     programs.append(self._program(name, folder, c.steps))
-            results = self._run(programs, npu=case.backend == "npu") if programs else {}
+        except Exception as exc:  # noqa: BLE001 (the group's cases fail with it when asked for)
+            job = _Job(group=group, bases=[], error=exc)
             for c in group:
-                name = re.sub(r"[^A-Za-z0-9_.-]", "_", c.id)
-                if name in results:
-                    results[name]["grads_path"] = str(self.root / f"{name}.grads.pt")
-                self.results[(c.program, c.id)] = results.get(name)
+                self._jobs[c] = job
+            return
+        if programs:
+            for steps in sorted({c.steps for c in group if c.expect in ("match", "diverges")}):
+                key = self._baseline_key(case.program, steps, case.backend)
+                if key not in self.baselines and not any(key in job.bases for job in self._jobs.values()):
+                    bases.append(key)
+                    programs.insert(len(bases) - 1, self._program(key, self._copy(case.program, key), steps))
+        job = _Job(group=group, bases=bases)
+        for c in group:
+            self._jobs[c] = job
+        if programs:
+            spec = self._spec(programs, case.backend == "npu")
+            job.run = lambda: self._run(programs, case.backend == "npu", spec_path=spec)
+            if self._pool is not None:
+                job.future = self._pool.submit(job.run)
+
+    def _collect(self, job: _Job) -> None:
+        if job.collected:
+            return
+        if job.error is not None:
+            raise job.error
+        job.collected = True
+        try:
+            job.results = job.future.result() if job.future is not None else job.run() if job.run is not None else {}
+        except BaseException:
+            for c in job.group:  # the first case asked for fails with the child's error, the others find no result
+                self.results[(c.program, c.id)] = None
+            raise
+        for key in job.bases:
+            if key in job.results:
+                self.baselines[key] = {**job.results[key], "grads_path": str(self.root / f"{key}.grads.pt")}
+        for c in job.group:
+            name = re.sub(r"[^A-Za-z0-9_.-]", "_", c.id)
+            if name in job.results:
+                job.results[name]["grads_path"] = str(self.root / f"{name}.grads.pt")
+            self.results[(c.program, c.id)] = job.results.get(name)
+
+    def prefetch(self, workers: int = 2) -> None:
+        """From now on, asking for a case's result also applies the recipes of the next groups (in the cases' order) and
+        starts their children, `workers` at a time, so that the next group's child runs while this one's is read: the
+        children have one thread each and this process mostly waits, so on `workers` cores the groups take about
+        1/`workers` of the time. The results are those of running them one by one (each child is its own process)."""
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="recipe-lab")
+        self._ahead = max(1, workers)
+
+    def close(self) -> None:
+        """Wait for the children started ahead (the ones no case asked for yet are not started)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def _launch_ahead(self, case: Case) -> None:
+        pending = {id(job) for job in self._jobs.values() if job.future is not None and not job.collected}
+        for c in self.cases[self.cases.index(case) + 1:]:
+            if len(pending) > self._ahead:  # this case's child and `workers` more
+                break
+            if c.expect == "refused" or c in self._jobs:
+                continue
+            self._launch(c)
+            if self._jobs[c].future is not None:
+                pending.add(id(self._jobs[c]))
+
+    def result(self, case: Case) -> tuple[Applied, dict | None]:
+        if case not in self._jobs:
+            self._launch(case)
+        if self._pool is not None and case in self.cases:
+            self._launch_ahead(case)
+        self._collect(self._jobs[case])
         return self.applied[case], self.results.get((case.program, case.id))
+
+
+@dataclass
+class _Job:
+    """One group's child: its cases, the baselines it runs first, its results (or the future that brings them)."""
+
+    group: list[Case]
+    bases: list[str]
+    error: Exception | None = None  # applying a recipe of the group failed
+    run: Callable[[], dict] | None = None
+    future: Future | None = None
+    results: dict = field(default_factory=dict)
+    collected: bool = False
 
 
 # ------------------------------------------------------------------------------------------------

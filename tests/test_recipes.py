@@ -13,14 +13,15 @@ emulation first on PYTHONPATH and device "npu"; their baseline is the original p
 emulated device (as the gate compares head and candidate on the target: the emulated device's own
 op decompositions differ from the CPU's by ~1e-9, which an 'exact' recipe must not be blamed for).
 
-All cases of one program and backend run in one child (one torch import); the children of the
-bundled examples take a while and are marked slow. The child, the case record, the lab and the
+All cases of one program and backend run in one child (one torch import), the unmodified program's baseline
+first in it; the children of the bundled examples take a while and are marked slow. The child, the case record, the lab and the
 numerics comparison are in benchmarks/recipe_lab.py (shared with benchmarks/recipe_apply_rate.py);
 the cases in tests/recipe_cases.py.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -33,8 +34,15 @@ from recipe_lab import RECIPES, Lab, apply_case, assert_within, compare, params,
 
 
 @pytest.fixture(scope="session")
-def lab(tmp_path_factory) -> Lab:
-    return Lab(tmp_path_factory.mktemp("recipes"), CASES)
+def lab(tmp_path_factory, request):
+    """The lab of the cases this session runs, the next groups' children started while one is read, two at a time
+    (CI's two cores: each child has one thread, and this process mostly waits for them)."""
+    selected = {item.callspec.params["case"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_recipe_on_real_code"}
+    lab = Lab(tmp_path_factory.mktemp("recipes"), [c for c in CASES if c in selected])
+    lab.prefetch(workers=min(2, os.cpu_count() or 1))
+    yield lab
+    lab.close()
 
 
 # ------------------------------------------------------------------------------------------------
