@@ -68,6 +68,8 @@ def forward_owners(module: Any) -> list[Any]:
     """The modules whose `forward` a step calls, to compile for the torch.compile arm: `module` itself, or, when its class
     has no forward of its own (a LightningModule whose training_step calls `self.model(...)`), its children that hold
     parameters, by the same rule."""
+    if hasattr(module, "_orig_mod") or "forward" in vars(module):  # torch.compile's wrapper: its forward is the instance's
+        return [module]
     owner = next((cls for cls in type(module).__mro__ if "forward" in vars(cls)), None)
     if owner is None or owner.__module__ not in _CONTAINER_FORWARDS:
         return [module]
