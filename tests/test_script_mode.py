@@ -108,6 +108,15 @@ def test_code_overrides_reach_constants_dataclass_defaults_and_call_keywords():
     assert plan.unmatched() == []
 
 
+def test_an_array_replacing_a_tuple_default_stays_a_tuple():
+    """A TOML array over a dataclass field whose default is a tuple (Modded-NanoGPT's train_bs_schedule): a list
+    default would make @dataclass raise 'mutable default <class 'list'> ... use default_factory'."""
+    source = "from dataclasses import dataclass\n@dataclass\nclass Args:\n    schedule: tuple = (8, 16, 24)\n    sizes = [1, 2]\n"
+    ns, plan = _run(source, {"Args.schedule": [2, 2, 2], "Args.sizes": [3]})
+    assert ns["Args"]().schedule == (2, 2, 2) and ns["Args"].sizes == [3]  # a list stays a list
+    assert plan.unmatched() == []
+
+
 def test_an_override_that_matches_nothing_names_the_nearest_names():
     _, plan = _run(SOURCE, {"batch_sise": 4, "Config.n_layers": 2, "Confg(width)": 3})
     problems = plan.unmatched()

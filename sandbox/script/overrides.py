@@ -177,7 +177,10 @@ def _assigned_names(statement: ast.stmt) -> list[str]:
     return []
 
 
-def _literal(value: Any) -> ast.expr:
+def _literal(value: Any, like: ast.expr | None = None) -> ast.expr:
+    """`value` as code; a TOML array replacing a tuple stays a tuple (a dataclass refuses a list default)."""
+    if isinstance(value, list) and isinstance(like, ast.Tuple):
+        value = tuple(value)
     return ast.parse(repr(value), mode="eval").body
 
 
@@ -191,7 +194,8 @@ class _Rewriter(ast.NodeTransformer):
                 self.plan.seen_names.add(f"{node.name}.{name}")
                 key = (node.name, name)
                 if key in self.plan.attributes and getattr(statement, "value", None) is not None:
-                    statement.value = ast.copy_location(_literal(self.plan.attributes[key]), statement.value)
+                    statement.value = ast.copy_location(_literal(self.plan.attributes[key], statement.value),
+                                                        statement.value)
                     self.plan.matched.add(f"{node.name}.{name}")
                 elif key in self.plan.attributes and isinstance(statement, ast.AnnAssign):  # `n_layer: int` without a default
                     statement.value = ast.copy_location(_literal(self.plan.attributes[key]), statement)
