@@ -125,6 +125,10 @@ _LATE_27 = {"GPT(head_dim)": None, "Hyperparameters.train_batch_size": None, "Hy
             "Hyperparameters.val_seq_len": 1024, "Hyperparameters.val_tokens": 1024,
             "CausalSelfAttention(head_dim)": 32}  # 27 takes head_dim there (default 128), asserting heads * it == width
 
+# 47, 49, 50 schedule the batch size (tokens per step, all ranks) instead of one train_batch_size
+_LATE_BS_SCHEDULE = {"Hyperparameters.train_batch_size": None, "Hyperparameters.train_bs_schedule": [2048, 2048, 2048],
+                     "Hyperparameters.train_bs_extension": 2048}
+
 RECORDS: tuple[RecordSource, ...] = (
     RecordSource(2, "AdamW rotary lr", "2024-06-06_AdamW", "train_gpt2.py", 1.58, script="train_gpt2.py",
                  profile="argparse", launch_args=_RECORD2_ARGS, overrides={"run(executable)": None},
@@ -160,10 +164,11 @@ RECORDS: tuple[RecordSource, ...] = (
     RecordSource(41, "NorMuon", "2025-10-24_NorMuon", "088a77ee-9b67-475a-bbb9-3e92e4698799.txt", 1.86),
     RecordSource(42, "Fix Muon LR", "2025-10-27_FixMuonLR", "14afd380-d3d9-48d7-ad23-4c13cb96754b.txt", 2.01),
     RecordSource(47, "SA lambda on weights", "2025-12-10_SALambdaOnWeights", "15ef5eaf-56e1-40e1-9ddf-af010027c9dd.txt",
-                 1.95),
+                 1.95, overrides=_LATE_BS_SCHEDULE),
     RecordSource(49, "Partial key offset", "2025-12-14_PartialKeyOffset", "150d40bf-c20b-4568-aac9-26eb919e25fd.txt",
-                 2.05),
-    RecordSource(50, "Cautious WD Adam", "2025-12-18_CautiousWDAdam", "1981d492-bc65-4ba9-a0fa-2b30fc5c3eba.txt", 2.19),
+                 2.05, overrides=_LATE_BS_SCHEDULE),
+    RecordSource(50, "Cautious WD Adam", "2025-12-18_CautiousWDAdam", "1981d492-bc65-4ba9-a0fa-2b30fc5c3eba.txt", 2.19,
+                 overrides=_LATE_BS_SCHEDULE),
 )
 BY_NUMBER = {r.number: r for r in RECORDS}
 
