@@ -277,8 +277,10 @@ def install(npu_module) -> None:
     from ._device_autocast import install as install_autocast
     from ._device_collectives import install as install_collectives
     from ._device_map import patch_pin_memory
+    from ._device_params import install as keep_parameter_attributes
 
     patch_pin_memory()
+    keep_parameter_attributes()
     install_autocast()
     install_collectives()
     _device_compile.install()
