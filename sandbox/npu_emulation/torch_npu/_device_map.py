@@ -79,6 +79,22 @@ def patch_pin_memory() -> None:
 
     torch.Tensor.pin_memory = pin_memory
     torch.Tensor.is_pinned = is_pinned
+    # factories asked for pinned host memory (Modded-NanoGPT's shard loader: torch.empty(n, pin_memory=True)) make
+    # ordinary host tensors, as pin_memory() above returns the tensor itself: with a PrivateUse1 backend registered,
+    # PyTorch asks it for a pinned-memory allocator, which the Python backend cannot give
+    # (torch.device(...) as a context manager reads the factories once, by identity: it keeps the real ones)
+    _torch_device._device_constructors()
+    for name in ("empty", "zeros", "ones", "full", "tensor"):
+        setattr(torch, name, _unpinned(getattr(torch, name)))
+
+
+def _unpinned(factory):
+    def made(*args, pin_memory=False, **kwargs):
+        return factory(*args, **kwargs)
+
+    made.__name__, made.__qualname__, made.__doc__, made.__wrapped__ = (
+        factory.__name__, factory.__name__, factory.__doc__, factory)
+    return made
 
 
 def _patch_autocast() -> None:
