@@ -74,3 +74,35 @@ def test_mapped_npu_keeps_math_attention_when_a_cuda_program_turns_it_off(tmp_pa
                           text=True, timeout=120)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "RESULT (1, 2, 8, 4) True" in proc.stdout
+
+
+_MUON_SCRIPT = textwrap.dedent(r"""
+    import json, os, torch, torch_npu, torch.distributed as dist
+    rank = int(os.environ["RANK"])
+    torch.npu.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend="hccl")
+    grad = torch.arange(8.0).npu() * (rank + 1)  # rank 0: 0..7, rank 1: 0..14 (step 2)
+    out = torch.empty(4).npu()
+    future = dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.AVG, async_op=True).get_future()
+    future.wait()
+    gathered = torch.empty(8).npu()
+    torch.futures.collect_all([dist.all_gather_into_tensor(gathered, out, async_op=True).get_future()]).wait()
+    print("RESULT " + json.dumps({"rank": rank, "out": out.tolist(), "gathered": gathered.tolist()}), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_hccl_reduce_scatter_averages_and_gives_a_future_as_the_records_muon_step_asks(tmp_path):
+    """Modded-NanoGPT's distributed Muon: reduce_scatter_tensor(..., op=AVG, async_op=True).get_future() stopped every
+    record from 27 on at its first optimizer step ("Work::getFuture not implemented": gloo's Work has none)."""
+    selection = NpuSelection(mode="emulated", cause="not_installed", reason="test", python=sys.executable)
+    env = selection_env(selection, {k: v for k, v in os.environ.items() if k != "TRAINBRIDGE_NPU_EMULATION_DEVICE_MAP"})
+    env.update({"TRAINBRIDGE_EMULATED_NPU_COUNT": "2", "OMP_NUM_THREADS": "1"})
+    (tmp_path / "muon.py").write_text(_MUON_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(tmp_path / "muon.py")], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    results = sorted((json.loads(found) for found in re.findall(r"RESULT (\{[^{}]*\})", proc.stdout)), key=lambda r: r["rank"])
+    average = [(i + 2 * i) / 2 for i in range(8)]  # the mean of the two ranks' gradients, element by element
+    assert [r["out"] for r in results] == [average[:4], average[4:]]  # each rank holds its half of the averaged gradient
+    assert all(r["gathered"] == average for r in results)
