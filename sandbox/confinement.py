@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainbridge.sandbox import proc_watch
 from trainbridge.sandbox.isolation import network_isolation
 from trainbridge.settings import settings
 
@@ -84,7 +85,7 @@ def bubblewrap() -> Tool:
     if path is None:
         return Tool(None, False, "bubblewrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)")
     try:
-        probe = subprocess.run([*_base_args(path, False), "--", "true"], capture_output=True, text=True, timeout=30)
+        probe = proc_watch.run_reaping([*_base_args(path, False), "--", "true"], timeout=30)  # no zombie left
     except (OSError, subprocess.TimeoutExpired) as exc:
         return Tool(path, False, f"bubblewrap could not run: {exc}")
     if probe.returncode != 0:

@@ -17,6 +17,8 @@ import ctypes
 import ctypes.util
 import os
 import signal
+import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +56,12 @@ class ProcStat:
     threads: int
     policy: int
     start_ticks: int
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a process that has not exited (a zombie has, though not yet reaped)."""
+    stat = read_stat(pid)
+    return stat is not None and stat.state != "Z"
 
 
 def read_stat(pid: int) -> ProcStat | None:
@@ -209,6 +217,31 @@ def reap_orphans(since_ticks: int | None, exclude: int | set[int]) -> int:
         except ChildProcessError:
             pass
     return reaped
+
+
+def run_reaping(argv: list[str], *, timeout: float, settle_s: float = 1.0) -> subprocess.CompletedProcess:
+    """`subprocess.run(argv)` (output captured as text) for a short command that leaves orphans behind (bubblewrap
+    with a PID namespace: its inner process outlives the outer one), which a subreaper receives: reap those that
+    started after it, waiting up to `settle_s` for them to exit, so that none stays a zombie of this process."""
+    me = os.getpid()
+    with subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        stat = read_stat(proc.pid)
+        since = stat.start_ticks if stat is not None else None
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    if since is not None:
+        deadline = time.monotonic() + settle_s
+        while True:
+            reap_orphans(since, exclude=proc.pid)
+            left = [s for s in all_stats() if s.ppid == me and s.pid != proc.pid and s.start_ticks >= since and s.state != "Z"]
+            if not left or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 @dataclass

@@ -13,6 +13,9 @@ Three modes:
     reads but git ignores; each run sees the user's checkout's copies through symlinks,
     read-only (sandbox/script/files.py). The run's working directory is a scratch folder that
     mirrors the worktree, so files the script writes (checkpoints, logs) land there.
+  - ``workdir = "projects/chargpt"``: the folder of the repository the script runs in (its working
+    directory in the run's mirror; default the root), for a script written to run from its own folder
+    (``open("input.txt")`` beside it). The launch line's script path stays relative to the root.
   - ``[overrides]``: shrink a run without editing the repository. Key syntax:
 
     ========================== ================================================================
@@ -82,6 +85,7 @@ class WorkloadConfig(BaseModel):
     threads: int = Field(default=2, ge=1, le=1024)
     seed: int = Field(default=0, ge=0)
     pythonpath: list[str] = Field(default_factory=list, description="extra import dirs, relative to the repo root")
+    workdir: str | None = Field(default=None, description="script mode: the folder the script runs in, relative to the repo root")
 
     @field_validator("entry")
     @classmethod
@@ -109,6 +113,13 @@ class WorkloadConfig(BaseModel):
                              'argument ("--max_iters"), a class field ("GPTConfig.n_layer") or a call keyword ("GPTConfig(n_layer)")')
         return value
 
+    @field_validator("workdir")
+    @classmethod
+    def _workdir_inside(cls, value: str | None) -> str | None:
+        if value is not None and (Path(value).is_absolute() or ".." in Path(value).parts):
+            raise ValueError(f"workdir {value!r} must be a folder inside the repository (relative, no '..')")
+        return value
+
     @field_validator("data")
     @classmethod
     def _data_inside(cls, value: list[str]) -> list[str]:
@@ -131,8 +142,8 @@ class WorkloadConfig(BaseModel):
         if sum(value is not None for value in (self.entry, self.command, self.launch)) != 1:
             raise ValueError('set exactly one of "launch" (script mode: launch = "python train.py"), "entry" (precise mode) '
                              'or "command" (coarse mode)')
-        if self.launch is None and (self.data or self.overrides):
-            raise ValueError('"data" and "overrides" apply to script mode only (launch = "python train.py ...")')
+        if self.launch is None and (self.data or self.overrides or self.workdir):
+            raise ValueError('"data", "overrides" and "workdir" apply to script mode only (launch = "python train.py ...")')
         if self.command is not None:
             if "ms" not in re.compile(self.step_time_pattern).groupindex and "s" not in re.compile(self.step_time_pattern).groupindex:
                 raise ValueError("step_time_pattern needs a named group (?P<ms>...) or (?P<s>...)")

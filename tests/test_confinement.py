@@ -187,3 +187,19 @@ def test_a_judged_candidates_folder_is_removed_and_the_baselines_kept(tmp_path, 
         judge.judge_candidate(baseline, candidate, target="cpu", rounds=2, max_rounds=2, min_gain=0.01)
     assert not confinement.side_folder(candidate).exists()
     assert (confinement.cache_dir(baseline) / "inductor" / "entry").is_dir()
+
+
+@needs_bubblewrap
+def test_probing_bubblewrap_as_a_subreaper_leaves_no_zombie_behind():
+    """bubblewrap's inner process outlives the outer one, so a subreaper (the gate's process) receives it: the probe
+    reaps it, as a long-lived process (the server, a test session) probing again must not collect zombies."""
+    from trainbridge.sandbox import proc_watch
+
+    assert proc_watch.become_subreaper()
+    before = {s.pid for s in proc_watch.all_stats() if s.ppid == os.getpid() and s.state == "Z"}
+    for _ in range(3):
+        confinement.bubblewrap.cache_clear()
+        assert confinement.bubblewrap().usable
+    confinement.bubblewrap.cache_clear()
+    zombies = [s.pid for s in proc_watch.all_stats() if s.ppid == os.getpid() and s.state == "Z" and s.pid not in before]
+    assert zombies == []

@@ -334,11 +334,16 @@ def test_a_prewarmed_server_forks_children_that_compile_as_an_exec_child_does(tm
     assert losses["fork-server"] == losses["exec"]
 
 
-def test_servers_launched_ahead_serve_the_first_gate_and_a_dead_one_is_started_again(tmp_path):
+def test_servers_launched_ahead_serve_the_first_gate_and_a_dead_one_is_started_again(tmp_path, monkeypatch):
     """`judge.ready_servers` launches, without waiting, the servers of exactly the environments the first
     gate's children, its drift child and the region lab fork from: the gate then forks from them (no server
     started in it), and a launched server that died before its first fork is replaced, not used."""
+    from trainbridge.agents.profiler import quiet
     from trainbridge.agents.profiler.judge import ready_servers
+
+    # a host whose load is above its cores at the gate's start gives the children a passive wait policy, another
+    # environment than the one launched ahead (its own servers, the launched ones evicted): the quiet host's case here
+    monkeypatch.setattr(quiet, "contended_at_start", lambda *args, **kwargs: False)
     from trainbridge.agents.profiler.region_lab import lab_env
     from trainbridge.sandbox.runner import child_env
 

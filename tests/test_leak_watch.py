@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from trainbridge.sandbox import proc_watch
+
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="the leak watch reads /proc")
 
 LEAKY = textwrap.dedent('''
@@ -27,14 +29,6 @@ LEAKY = textwrap.dedent('''
 ''')
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_an_orphan_is_listed_with_its_file_and_killed(tmp_path):
     (tmp_path / "test_leaky.py").write_text(LEAKY, encoding="utf-8")
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["trainbridge.tests.leak_watch"]\n', encoding="utf-8")
@@ -43,9 +37,9 @@ def test_an_orphan_is_listed_with_its_file_and_killed(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     pid = int((tmp_path / "pid").read_text())
     deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
+    while proc_watch.alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(pid), f"the orphan {pid} still runs"
+    assert not proc_watch.alive(pid), f"the orphan {pid} still runs"
     assert "processes left behind by test files: 1 (killed)" in done.stdout, done.stdout
     assert f"test_leaky.py: pid {pid}: " in done.stdout and "time.sleep(300)" in done.stdout, done.stdout
 

@@ -260,8 +260,22 @@ def _train_two_steps(example: str, backend: str):
     return run_workload(workload, backend=backend)
 
 
-def test_an_example_trains_on_device_npu_under_emulation(fresh_probe_cache):
-    result = _train_two_steps("resnet_classify", "npu")
+@pytest.fixture(scope="module")
+def trained():
+    """`trained(example, backend)`: two steps of an example in a sandbox child, run once per module (the tests below
+    read the same runs)."""
+    runs = {}
+
+    def get(example: str, backend: str):
+        if (example, backend) not in runs:
+            runs[example, backend] = _train_two_steps(example, backend)
+        return runs[example, backend]
+
+    return get
+
+
+def test_an_example_trains_on_device_npu_under_emulation(fresh_probe_cache, trained):
+    result = trained("resnet_classify", "npu")
     assert result.ok, result.failure
     assert result.device == "npu" and result.versions["torch_npu_mode"] == "emulated"
     assert len(result.losses) == 2 and all(math.isfinite(v) for v in result.losses)
@@ -270,13 +284,13 @@ def test_an_example_trains_on_device_npu_under_emulation(fresh_probe_cache):
     # far more than a handful; after the first step, whose optimizer creates its state, the same each step)
     assert len(result.device_kernels_per_step) == len(result.inner_step_times_s) >= 3  # a cool-down step too
     assert result.kernels_per_step > 100 and len(set(result.device_kernels_per_step[1:])) == 1
-    assert _train_two_steps("resnet_classify", "cpu").kernels_per_step is None  # nothing counts on the CPU
+    assert trained("resnet_classify", "cpu").kernels_per_step is None  # nothing counts on the CPU
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["resnet_classify", "llama_pretrain", "gpt2_pretrain", "clip_pretrain"])
-def test_every_example_trains_on_device_npu_under_emulation_like_on_the_cpu(example, fresh_probe_cache):
-    on_npu, on_cpu = _train_two_steps(example, "npu"), _train_two_steps(example, "cpu")
+def test_every_example_trains_on_device_npu_under_emulation_like_on_the_cpu(example, fresh_probe_cache, trained):
+    on_npu, on_cpu = trained(example, "npu"), trained(example, "cpu")
     assert on_npu.ok, on_npu.failure
     assert on_npu.versions["torch_npu_mode"] == "emulated" and "torch_npu" not in on_cpu.versions
     assert len(on_npu.losses) == 2 and all(math.isfinite(v) for v in on_npu.losses)

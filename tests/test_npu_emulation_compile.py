@@ -223,3 +223,33 @@ def test_measure_runs_a_ported_script_that_compiles_its_model(tmp_path):
     assert NOTE in payload["stderr_tail"]
     assert len(payload["step_times_s"]) == 2 and payload["losses"][-1] < payload["losses"][0]
     assert all(k > 0 for k in payload["device_kernels_per_step"])
+
+
+_EMPTY = textwrap.dedent(r"""
+    import json, torch, torch_npu
+
+    def boundaries(docs):  # a ported FlexAttention document mask: a host read, then nonzero over the device tensor
+        if bool((docs[1:] < docs[:-1]).any()):
+            raise ValueError("decreasing")
+        return torch.nonzero(docs[1:] != docs[:-1]).flatten() + 1
+
+    @torch.compile
+    def step(tokens, bos):
+        starts = boundaries((tokens == bos).cumsum(0))
+        return starts.numel(), starts.device.type
+
+    tokens = torch.tensor([1, 2, 3, 1, 2, 3]).npu()
+    empty = torch.zeros(0, 1).npu()
+    add = torch.compile(lambda e, x: x + e.numel())
+    print("RESULT " + json.dumps({"one_document": step(tokens, 7), "three_documents": step(tokens, 3),
+                                  "empty_input": add(empty, torch.ones(2).npu()).tolist()}))
+""")
+
+
+def test_an_empty_device_tensor_enters_a_compiled_frame(tmp_path):
+    """An empty NpuTensor (torch.nonzero finding no document boundary) as the input of a compiled frame: Dynamo's
+    fake copy of a zero-byte storage resized the fake's storage, which a Python backend cannot ("register
+    PrivateUse1HooksInterface ... resizePrivateUse1Bytes"; Modded-NanoGPT record 12's ported document mask)."""
+    r, _ = _run_child(tmp_path, _EMPTY)
+    assert r["one_document"] == [0, "npu"] and r["three_documents"] == [2, "npu"]
+    assert r["empty_input"] == [1.0, 1.0]

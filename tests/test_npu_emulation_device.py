@@ -270,7 +270,9 @@ _DDP_SCRIPT = textwrap.dedent(r"""
                                   "same_params": torch.equal(gathered[0], gathered[1]),
                                   "same_grads": torch.equal(grads[0], grads[1]),
                                   "current_device": torch.npu.current_device()}), flush=True)
+    dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)  # gloo's worker threads can abort at interpreter finalization (pytorch/pytorch#179291): gloo's, not the emulation's
 """)
 
 

@@ -87,3 +87,48 @@ def test_measure_says_where_the_losses_came_from(tmp_path):
     result = CliRunner().invoke(build_app(), ["measure", str(repo)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert re.search(r"loss from\s+│?\s*pattern \(4 steps\)", result.output), result.output
+
+
+class _Channel:
+    """The parent's side of the control channel, in process: every command is `step`."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, message):
+        self.sent.append(message)
+
+    def recv(self):
+        return {"op": "step", "index": len(self.sent)}
+
+
+class _Backend:
+    def sync(self):
+        return None
+
+
+def test_a_backward_on_a_bare_leaf_is_no_step_and_no_loss():
+    """The Modded-NanoGPT records run `torch.empty(1, device="cuda", requires_grad=True).backward()` at import ("prevents a
+    bug on some systems"): a backward on a leaf, uninitialised memory. Counted as the first step's loss it added
+    garbage to it (22400 measured as 9.3e14 at one thread, 22400 at two: the late records' first losses were not
+    repeatable), and it started the first step before the model was built."""
+    import torch
+
+    from trainbridge.sandbox.script.hooks import StepController
+
+    channel = _Channel()
+    controller = StepController(channel, _Backend(), check_ready=lambda: [], close=lambda failure: None)
+    leaf = torch.full((1,), 3.0e30, requires_grad=True)  # what an uninitialised torch.empty may hold
+    controller.on_backward(leaf)
+    controller.on_backward([leaf])  # torch.autograd.backward's form
+    assert not controller.started and channel.sent == [] and controller.loss_parts == []
+
+    weight = torch.nn.Parameter(torch.tensor([2.0]))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    for value in (5.0, 7.0):
+        loss = (weight * value).sum()
+        controller.on_backward(loss)
+        controller.on_optimizer_pre(optimizer, (), {})
+    assert [m["op"] for m in channel.sent] == ["ready", "step"]
+    assert channel.sent[1]["loss"] == pytest.approx(10.0)  # the first step's loss: 2 * 5, no leaf in it
+    assert controller._take_loss() == pytest.approx(14.0)

@@ -40,23 +40,25 @@ def _measure_mid_step(tmp_path: Path, send, expect_status: int, expect_line: str
     """`trainbridge measure` of a long script; once its sandbox child steps, `send(pid)`; then nothing of the sandbox
     may be left, and the command ends with `expect_status`, saying `expect_line`."""
     repo = script_repo(tmp_path / "repo", "accumulate.py", LONG)
-    cli = subprocess.Popen([sys.executable, "-m", "trainbridge", "measure", str(repo)], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, start_new_session=True)
+    err = tmp_path / "measure.err"  # a file, not a pipe: a pipe nobody reads until the end can fill and stall the command
+    with err.open("wb") as errors:
+        cli = subprocess.Popen([sys.executable, "-m", "trainbridge", "measure", str(repo)], stdout=subprocess.DEVNULL,
+                               stderr=errors, start_new_session=True)
     sandbox: list[int] = []
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not sandbox and cli.poll() is None:
             sandbox = [pid for pid in _children(cli.pid) if "sandbox.script.launcher" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
             time.sleep(0.2)
-        assert sandbox, f"the sandbox child never started: {cli.stderr.read().decode()[-2000:] if cli.poll() is not None else ''}"
+        assert sandbox, f"the sandbox child never started: {err.read_text(errors='replace')[-2000:]}"
         time.sleep(4.0)  # into its steps (torch imported, the script stepping)
-        assert cli.poll() is None, cli.stderr.read().decode()[-2000:]
+        assert cli.poll() is None, err.read_text(errors="replace")[-2000:]
         send(cli.pid)
-        cli.wait(timeout=60)
+        cli.wait(timeout=120)
         time.sleep(1.0)
         survivors = [pid for child in sandbox for pid in _session(child)]
         assert survivors == [], f"left running: {survivors}"
-        stderr = cli.stderr.read().decode()
+        stderr = err.read_text(errors="replace")
         assert cli.returncode == expect_status, stderr[-2000:]
         assert expect_line in stderr, stderr[-2000:]
     finally:

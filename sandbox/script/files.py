@@ -48,6 +48,8 @@ class RunDir:
     skipped: dict[str, str] = field(default_factory=dict)  # entry outside git left out -> why
     notes: list[str] = field(default_factory=list)
     checkout: Path | None = None  # the user's checkout the data comes from
+    workdir: str = ""  # the folder of the mirror the script runs in (trainbridge.toml's workdir), "" for the root
+    script: str = ""  # the launch line's script, from the root ("" for `-m module`)
 
 
 def user_checkout(root: Path) -> Path:
@@ -67,9 +69,11 @@ def user_checkout(root: Path) -> Path:
     return common.parent if common.name == ".git" else root
 
 
-def make_run_dir(root: Path, data: list[str], dest: Path, *, show_ignored: bool = True) -> RunDir:
+def make_run_dir(root: Path, data: list[str], dest: Path, *, show_ignored: bool = True, workdir: str | None = None) -> RunDir:
     """Build the mirror of `root` at `dest` (see the module doc); raises DataPathError for a missing data entry.
-    `show_ignored`: also show the checkout's other git-ignored inputs when `root` is a worktree of it."""
+    `show_ignored`: also show the checkout's other git-ignored inputs when `root` is a worktree of it. `workdir` (the
+    folder the script runs in) is a real folder of the mirror at every level, so what the script writes there lands
+    in the scratch folder even in a tree linked folder by folder."""
     root = Path(root).resolve()
     checkout = user_checkout(root)
     dest.mkdir(parents=True, exist_ok=True)
@@ -86,7 +90,20 @@ def make_run_dir(root: Path, data: list[str], dest: Path, *, show_ignored: bool 
         run_dir.data_sources[raw] = sources[-1]
     if show_ignored and checkout != root:
         _show_ignored(run_dir, checkout, data)
+    if workdir:
+        use_workdir(run_dir, workdir)
     return run_dir
+
+
+def use_workdir(run_dir: RunDir, workdir: str) -> Path:
+    """Make `workdir` the folder of the mirror the script runs in: a real folder at every level (so what the script
+    writes there lands in the scratch folder); its path."""
+    run_dir.workdir = Path(workdir).as_posix()
+    folder = run_dir.cwd
+    for part in Path(workdir).parts:
+        _explode(folder / part)
+        folder = folder / part
+    return folder
 
 
 def _show_ignored(run_dir: RunDir, checkout: Path, data: list[str]) -> None:

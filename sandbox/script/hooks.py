@@ -5,7 +5,8 @@ The user's script runs unmodified; these hooks find its training step:
 - **Seeds** (sandbox/script/seeds.py): every seeding call the script makes gets a seed derived
   from the gate's.
 - **Loss.** `torch.Tensor.backward` / `torch.autograd.backward` are wrapped: the scalars that
-  backward is called on between two step boundaries are summed (gradient accumulation).
+  backward is called on between two step boundaries are summed (gradient accumulation). A backward on
+  leaves alone (no graph: `torch.empty(1, requires_grad=True).backward()`) is neither a step nor a loss.
 - **Step boundaries.** PyTorch's global optimizer-step hooks see every optimizer the script makes.
   A step ends when its last optimizer has stepped, which shows as the next backward beginning or
   an optimizer that already stepped stepping again (several optimizers per step included); the
@@ -237,6 +238,15 @@ class StepController:
 
     # --- hooks ---------------------------------------------------------------------------------
     def on_backward(self, tensors) -> None:
+        import torch
+
+        given = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors or ())
+        if given and all(isinstance(t, torch.Tensor) and t.grad_fn is None for t in given):
+            # backward on leaves alone computes nothing: no step, no loss. The Modded-NanoGPT records'
+            # `torch.empty(1, device="cuda", requires_grad=True).backward()` at import read as the first step's loss
+            # added an uninitialised value to it (22400 measured as 9.3e14 with one thread), and began the first step
+            # before the model was built
+            return
         if self.closure_depth:  # inside optimizer.step(closure): the step began at the optimizer's pre-hook
             if not self.closure_loss:
                 return
@@ -244,9 +254,7 @@ class StepController:
             self._first_boundary()
         elif self.stepped:
             self._boundary()
-        import torch
-
-        for tensor in (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors or ()):
+        for tensor in given:
             if isinstance(tensor, torch.Tensor) and tensor.numel() == 1:
                 self.loss_parts.append(tensor)
                 self.loss_values.append(tensor.detach().clone())

@@ -269,7 +269,12 @@ def execute(channel) -> None:
         sys.path[:0] = [script_dir, *(str(root / extra) for extra in request.get("pythonpath", []))]
         if not spec.get("script"):
             sys.path.insert(1, str(root))
-        sys.argv = [spec["script"] or spec["module"], *apply_argv(spec.get("args", []), request.get("overrides", {}))]
+        argv0 = spec["script"] or spec["module"]
+        if request.get("workdir"):  # trainbridge.toml's workdir: the script runs from that folder of the run's mirror
+            os.chdir(request["workdir"])
+            if spec.get("script"):
+                argv0 = os.path.relpath(Path(request["run_dir"]) / spec["script"], request["workdir"])
+        sys.argv = [argv0, *apply_argv(spec.get("args", []), request.get("overrides", {}))]
         if spec.get("launcher") == "torchrun" and "WORLD_SIZE" not in os.environ:  # one process; a rank of a group
             note = _loopback_up()                     # has torchrun's environment from sandbox/child/rank_supervisor.py
             if note:

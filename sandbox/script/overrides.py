@@ -13,7 +13,8 @@ Key syntax (also in sandbox/workload.py's docstring and the README):
   script or any module imported from the repository;
 - ``GPTConfig(n_layer)``: a keyword argument forced on every call of ``GPTConfig`` (or
   ``something.GPTConfig``) in the repository's code, whatever the call passes (``**kwargs``
-  included).
+  included); a bare decorator is a call too (``@torch.compile`` above a function is
+  ``torch.compile(function)``: ``compile(disable)`` reaches it).
 
 The source files are never written: the script and the repository's modules are parsed, changed
 and compiled in memory (an import hook for the modules), under their own file names and line
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 CALL_HELPER = "__trainbridge_forced_call__"
+DECORATOR_HELPER = "__trainbridge_forced_decorator__"
 _KEY = re.compile(r"^(?:(?P<arg>--?[A-Za-z0-9][\w.-]*)|(?P<constant>[A-Za-z_]\w*)|(?P<cls>[A-Za-z_]\w*)\.(?P<attr>[A-Za-z_]\w*)"
                   r"|(?P<call>[A-Za-z_]\w*)\((?P<keyword>[A-Za-z_]\w*)\))$")
 
@@ -48,6 +50,11 @@ def forced_call(function, forced: dict[str, Any], *args, **kwargs):
     """`function(*args, **kwargs)` with the keyword arguments in `forced` replaced (the call overrides)."""
     kwargs.update(forced)
     return function(*args, **kwargs)
+
+
+def forced_decorator(function, forced: dict[str, Any]):
+    """A bare decorator `@function` with the keyword arguments in `forced`: `function(target, **forced)`."""
+    return lambda target: forced_call(function, forced, target)
 
 
 def apply_argv(args: list[str], overrides: dict[str, Any]) -> list[str]:
@@ -204,6 +211,21 @@ class _Rewriter(ast.NodeTransformer):
         self.generic_visit(node)
         return node
 
+    def _decorators(self, node):
+        """A bare decorator of a forced callee (`@torch.compile`) gets the forced keywords as its call would."""
+        self.generic_visit(node)
+        for index, decorator in enumerate(node.decorator_list):
+            name = decorator.id if isinstance(decorator, ast.Name) else decorator.attr if isinstance(decorator, ast.Attribute) else None
+            forced = self.plan.calls.get(name) if name else None
+            if forced:
+                self.plan.matched.update(f"{name}({kw})" for kw in forced)
+                helper = ast.Name(id=DECORATOR_HELPER, ctx=ast.Load())
+                node.decorator_list[index] = ast.copy_location(
+                    ast.Call(func=helper, args=[decorator, _literal(forced)], keywords=[]), decorator)
+        return node
+
+    visit_FunctionDef = visit_AsyncFunctionDef = _decorators
+
     def visit_Call(self, node: ast.Call) -> ast.AST:
         self.generic_visit(node)
         name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr if isinstance(node.func, ast.Attribute) else None
@@ -265,5 +287,6 @@ class _RepoFinder(importlib.abc.MetaPathFinder):
 def install(root: Path, plan: OverridePlan) -> None:
     """Make the repository's modules load with the overrides applied (call before the script runs)."""
     setattr(builtins, CALL_HELPER, forced_call)
+    setattr(builtins, DECORATOR_HELPER, forced_decorator)
     if plan.changes_code:
         sys.meta_path.insert(0, _RepoFinder(root, plan))

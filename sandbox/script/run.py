@@ -16,7 +16,7 @@ from typing import Any
 
 from trainbridge.sandbox.results import Failure, FailureKind, RunResult
 from trainbridge.sandbox.script.capture import capture_plan  # noqa: F401 - harness mode "capture": the runner asks script_run for its steps
-from trainbridge.sandbox.script.files import DataPathError, RunDir, make_run_dir, snapshot
+from trainbridge.sandbox.script.files import DataPathError, RunDir, make_run_dir, snapshot, use_workdir
 from trainbridge.sandbox.script.launch import LaunchSpec, parse_launch
 from trainbridge.sandbox.workload import DEFAULT_LOSS_PATTERN, Workload
 
@@ -61,17 +61,41 @@ def prepare(workload: Workload, *, backend: str, mode: str, tmp_dir: Path, extra
         return Failure(kind=FailureKind.bad_workload, message=f"loss_pattern {config.loss_pattern!r} of trainbridge.toml needs a named "
                        "group (?P<loss>...) around the number, e.g. loss_pattern = 'train_loss=(?P<loss>[-+0-9.eE]+)'")
     try:
-        run_dir = make_run_dir(workload.root, config.data, tmp_dir / "cwd")
+        run_dir = make_run_dir(workload.root, config.data, tmp_dir / "cwd", workdir=config.workdir)
     except DataPathError as exc:
         return Failure(kind=FailureKind.bad_workload, message=str(exc))
+    run_dir.script = spec.script or ""
+    folder = config.workdir or _own_folder(workload, spec, run_dir)
+    workdir = {"workdir": str(use_workdir(run_dir, folder)), "run_dir": str(run_dir.cwd)} if folder else {}
     request = {"mode": mode, "root": str(workload.root), "launch": spec.to_json(), "overrides": config.overrides,
                "pythonpath": config.pythonpath, "backend": backend, "seed": config.seed, "threads": config.threads,
                "protected": [str(p) for p in run_dir.protected],
                "replaceable": [str(p) for p in run_dir.shown.values()],  # copied on write (sandbox/script/launcher.py)
                # the printed loss: the fallback when backward() saw no scalar, the source when the toml sets its own pattern
                "loss_pattern": config.loss_pattern, "loss_pattern_preferred": config.loss_pattern != DEFAULT_LOSS_PATTERN,
-               **(extra_request or {})}
+               **workdir, **(extra_request or {})}
     return ScriptSetup(request=request, run_dir=run_dir, spec=spec, data_before=snapshot(_read_only_sources(run_dir)))
+
+
+def _own_folder(workload: Workload, spec: LaunchSpec, run_dir: RunDir) -> str | None:
+    """Zero config for a script written to run from its own folder (`-- python projects/chargpt/chargpt.py`, no
+    workdir in trainbridge.toml): its folder, when it opens a relative path that the run's mirror has beside it and not
+    at the root (tools/launch/workdir.py; the mirror shows the checkout's untracked input.txt); said in the
+    run's notes. None otherwise, or when the script cannot be read."""
+    if spec.script is None or Path(spec.script).parent == Path("."):
+        return None
+    from trainbridge.tools.launch.workdir import own_folder
+    from trainbridge.tools.launch.script_facts import read_script_facts
+
+    try:
+        found = own_folder(run_dir.cwd, spec.script, read_script_facts(workload.root, spec.script))
+    except OSError:
+        return None
+    if found is None:
+        return None
+    run_dir.notes.append(f"{spec.script} runs from its folder: {found[1]}; workdir = \"{found[0]}\" in trainbridge.toml "
+                         "says so for every run")
+    return found[0]
 
 
 def _read_only_sources(run_dir: RunDir) -> list[Path]:
@@ -87,10 +111,17 @@ def launch_problem(workload: Workload) -> str | None:
     problem = spec.launch_problem()
     if problem:
         return problem
+    workdir = workload.config.workdir
+    if workdir is not None and not (workload.root / workdir).is_dir():
+        return (f"workdir {workdir!r} of trainbridge.toml is not a folder of {workload.root}: name the folder (relative to the "
+                "repository's root) the script runs from, or leave workdir out to run it from the root")
     if spec.script is not None and not (workload.root / spec.script).is_file():
         near = sorted(p.name for p in workload.root.glob("*.py"))[:8]
+        beside = workdir is not None and (workload.root / workdir / spec.script).is_file()
         return (f"script {spec.script!r} of launch line {spec.line!r} not found in {workload.root}"
-                + (f" (Python files there: {', '.join(near)})" if near else ""))
+                + (f" (Python files there: {', '.join(near)})" if near else "")
+                + (f"; it is in workdir {workdir!r}: the launch line names the script from the repository's root, "
+                   f"launch = \"python {Path(workdir, spec.script).as_posix()} ...\"" if beside else ""))
     return None
 
 
@@ -141,7 +172,8 @@ def missing_file_hint(message: str, run_dir: RunDir) -> str:
     if match is None or run_dir.checkout is None:
         return message
     name, path = match.group(1), Path(match.group(1))
-    rel = Path(os.path.normpath(path.relative_to(run_dir.cwd) if path.is_absolute() and path.is_relative_to(run_dir.cwd) else path))
+    rel = Path(os.path.normpath(path.relative_to(run_dir.cwd) if path.is_absolute() and path.is_relative_to(run_dir.cwd)
+                                else Path(run_dir.workdir or ".") / path))
     if rel.is_absolute() or ".." in rel.parts:
         return message
     checkout = run_dir.checkout
@@ -154,14 +186,24 @@ def missing_file_hint(message: str, run_dir: RunDir) -> str:
                 "it read-only (with `-- <launch line>` too: a trainbridge.toml still gives its data)")
     elsewhere = _files_named(checkout, rel.name)
     if elsewhere:
+        where = f"workdir {run_dir.workdir!r} of trainbridge.toml" if run_dir.workdir else \
+            "the repository's root unless trainbridge.toml sets workdir (as `python <script>` typed at the root)"
+        folder = Path(elsewhere[0]).parent.joinpath(*[".."] * (len(path.parts) - 1)) if not path.is_absolute() else None
+        folder = Path(os.path.normpath(folder)) if folder is not None else None
+        fix = (f"If the script is written to run from {folder.as_posix()}/, add workdir = \"{folder.as_posix()}\" to "
+               "trainbridge.toml (the folder it runs in); else make" if folder is not None and ".." not in folder.parts
+               and folder.as_posix() != "." else "Make")
         return (f"{MISSING_FILE}{name!r}: your checkout has {', '.join(elsewhere[:3])}, but the script looks for it relative "
-                "to its working directory, which is the repository's root in every run (as `python <script>` typed at the "
-                "root). Make the path it opens one relative to the root (an argument or setting of the script, set under "
-                "[overrides] in trainbridge.toml), or put the file where it looks")
+                f"to its working directory, {where}. {fix} the path it opens one relative to that folder (an argument or "
+                "setting of the script, set under [overrides] in trainbridge.toml), or put the file where it looks")
+    folder = Path(run_dir.script).parent if run_dir.script else Path(".")
+    beside = (f" A script in a subfolder often opens it from its own folder: put it at {(folder / path).as_posix()} in your "
+              f"checkout and runs start the script in {folder.as_posix()}/ by themselves (workdir)."
+              if folder != Path(".") and not run_dir.workdir and not path.is_absolute() else "")
     return (f"{MISSING_FILE}{name!r} (working directory: the run's mirror of the repository): it is not in your checkout "
             f"({checkout}) either, and the run shows the checkout's git-ignored files read-only by itself. Create it there "
             "first (the repository's data preparation step; its README says which), or, if the script reads it from "
-            "elsewhere in the repository under another name, list that in data = [...] of trainbridge.toml")
+            "elsewhere in the repository under another name, list that in data = [...] of trainbridge.toml." + beside)
 
 
 def _files_named(root: Path, name: str, limit: int = 20_000) -> list[str]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._checks import values_unknown
 from ._dropout_mask import drop_prob_from_keep, keep_bits
 
 
@@ -163,7 +164,7 @@ def keep_mask(
 
 
 def warn_fully_masked(keep: torch.Tensor | None, shape: tuple[int, int, int, int]) -> None:
-    if keep is None:
+    if keep is None or values_unknown():
         return
     if not torch.broadcast_to(keep, shape).any(dim=-1).all():
         warnings.warn(

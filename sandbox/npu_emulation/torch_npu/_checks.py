@@ -2,7 +2,30 @@
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+
 import torch
+
+_values = threading.local()
+
+
+@contextmanager
+def shapes_only():
+    """A run whose inputs are stand-ins (zeros) for a tracer's fake tensors: only the output shapes matter, so the
+    checks of input values (a compressed mask's template, fully masked rows) stand aside (_device_compile)."""
+    before = getattr(_values, "unknown", False)
+    _values.unknown = True
+    try:
+        yield
+    finally:
+        _values.unknown = before
+
+
+def values_unknown() -> bool:
+    """In a shapes-only run, or while a compiler traces the op (Dynamo inlining it: the npu -> cpu mapping compiles
+    fused ops as their host math, on fake tensors whose values cannot be read)."""
+    return getattr(_values, "unknown", False) or torch.compiler.is_compiling()
 
 # dtypes the NPU kernels document; float64 is accepted by the emulation only (for gradcheck).
 NPU_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -69,10 +69,15 @@ class NpuTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, host: torch.Tensor, device: torch.device | None = None, size=None, stride=None):
+        # an empty tensor's wrapper keeps a one-byte storage: Dynamo's fake copy of a tensor whose storage has
+        # zero bytes resizes the fake's storage to zero, which a Python backend cannot do ("register
+        # PrivateUse1HooksInterface ... resizePrivateUse1Bytes"): an empty device tensor entering a compiled frame
+        # (torch.nonzero finding nothing) stopped the program's own torch.compile
+        empty = {"storage_size": 1} if host.numel() == 0 else {}
         t = torch.Tensor._make_wrapper_subclass(
             cls, host.size() if size is None else size, strides=host.stride() if stride is None else stride,
             storage_offset=host.storage_offset(), dtype=host.dtype, layout=host.layout,
-            device=device or _npu_device(), requires_grad=False,
+            device=device or _npu_device(), requires_grad=False, **empty,
         )
         t._host = host
         return t

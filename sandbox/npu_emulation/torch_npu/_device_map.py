@@ -11,8 +11,10 @@ What `install()` does (once per process, at `import torch_npu`, like the real pl
   is the device memory); torch.autocast("npu", ...) runs CPU autocast with the same dtype.
 
 Limits: torch function modes are thread-local, so device arguments in threads other than the
-importing one are not rewritten (the DataLoader pin-memory thread is covered by the pin_memory
-patch); torch.Generator(device="npu") is not supported (use the default generator).
+importing one are not rewritten; there, factories with device="npu" still make CPU tensors (PrivateUse1
+kernels for empty / empty_strided, `_register_host_factories`) (the DataLoader
+pin-memory thread is covered by the pin_memory patch); torch.Generator(device="npu") is not supported (use the
+default generator).
 """
 
 from __future__ import annotations
@@ -137,6 +139,30 @@ def _keep_math_sdpa() -> None:
     torch._C._set_sdp_use_math = _set_sdp_use_math
 
 
+_lib = None
+
+
+def _register_host_factories() -> None:
+    """PrivateUse1 kernels for the allocations that reach the npu backend although the mode rewrites device
+    arguments: where the mode is not on the stack (another thread: torch function modes are thread-local) a factory
+    with device="npu" dispatched to the backend, which had no kernel ("Could not run 'aten::empty.memory_format' with
+    arguments from the 'npu' backend": the Modded-NanoGPT records' torch.empty(1, device="cuda",
+    requires_grad=True).backward(), ported, in the host reference). They allocate on the host, as the mode does;
+    the other factories (zeros, ones, full, arange, ...) and .to("npu") are built on these."""
+    global _lib
+    _lib = torch.library.Library("aten", "IMPL")
+
+    def empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+        return torch.empty(size, dtype=dtype, layout=layout, device=_CPU,
+                           memory_format=memory_format or torch.contiguous_format)
+
+    def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+        return torch.empty_strided(size, stride, dtype=dtype, layout=layout, device=_CPU)
+
+    _lib.impl("empty.memory_format", empty, "PrivateUse1")
+    _lib.impl("empty_strided", empty_strided, "PrivateUse1")
+
+
 def install(npu_module) -> None:
     """Idempotent; raises if another PrivateUse1 backend is already registered in this process."""
     global _installed
@@ -150,6 +176,7 @@ def install(npu_module) -> None:
             f"cannot emulate torch_npu: PyTorch's PrivateUse1 backend is already registered as {current!r}"
         )
     backend_registration._setup_privateuseone_for_python_backend(rename="npu", backend_module=npu_module)
+    _register_host_factories()
     torch.Tensor.npu = _tensor_npu
     torch.nn.Module.npu = _module_npu
     patch_pin_memory()
@@ -158,6 +185,10 @@ def install(npu_module) -> None:
     from ._device_collectives import install as install_collectives
 
     install_collectives()  # init_process_group("hccl") as a ported torchrun program calls it: gloo underneath
+    from ._device_collectives import opaque_to_compile
+    from ._device_compile import wrap_compile
+
+    wrap_compile(opaque_to_compile)  # under a program's torch.compile the collectives run whole, as on the npu device
     _patch_ddp()
     _keep_math_sdpa()
     _installed = True
