@@ -24,15 +24,20 @@ transformers = pytest.importorskip("transformers")  # a dev dependency (pyprojec
 from transformers.models.llama import modeling_llama  # noqa: E402
 
 from trainbridge.agents.analyst import affinity  # noqa: E402
-from trainbridge.agents.analyst.align import align, merge  # noqa: E402
+from trainbridge.agents.analyst.align import EARLIER_NOTE, RUNTIME_BASIS, align, library_kernels, merge  # noqa: E402
+from trainbridge.agents.analyst.earlier_reference import earlier_lookup, earlier_references  # noqa: E402
+from trainbridge.agents.retrieval.sites import site_fingerprint  # noqa: E402
 from trainbridge.agents.analyst.library_scan import scan_library_regions  # noqa: E402
+from trainbridge.agents.analyst.static.scan import scan_source  # noqa: E402
 from trainbridge.agents.coder.candidate import CoderRefusal, make_candidate  # noqa: E402
 from trainbridge.knowledge.schema import load_recipe_dir  # noqa: E402
-from trainbridge.records import Evidence, Intent, IntentCategory, IntentSource, LibrarySpan, SourceSpan  # noqa: E402
+from trainbridge.records import (Evidence, FusionGroup, Intent, IntentCategory, IntentSource, KernelKind, LibrarySpan,  # noqa: E402
+                                 Phase, SourceSpan)
 from trainbridge.tools.eager_profile import BoundaryRecorder, record_eager_ops  # noqa: E402
 from trainbridge.tools.evidence_pack import read_pack  # noqa: E402
 from trainbridge.tools.inductor.parser import parse_evidence_dir  # noqa: E402
 from trainbridge.tools.library_code import library_path, library_span  # noqa: E402
+from trainbridge.tools.report.sections import intent_record  # noqa: E402
 from script_repos import commit_all  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "library_regions"
@@ -151,6 +156,19 @@ def test_the_static_scan_reads_the_library_files_the_step_ran_and_keeps_what_ran
     assert {"static", "msprof_affinity"} <= set(merged.evidence.detectors) and merged.library == rms.library  # static lines win
 
 
+def test_a_gated_activation_chosen_by_configuration_is_found_as_the_kind_that_ran(table):
+    """LlamaMLP.forward gates `self.act_fn(...)`, `ACT2FN[config.hidden_act]`: the library scan matches it as any gated
+    kind and keeps the one whose op ran (aten::silu: swiglu, no geglu); a user's own file is not read that way."""
+    found, _ = scan_library_regions(table, target="cpu")
+    gated = [i for i in found if str(i.category) in ("swiglu", "geglu")]
+    assert [(str(i.category), i.library.function) for i in gated] == [("swiglu", "LlamaMLP.forward")]
+    mlp_start, mlp_end = _lines_of("LlamaMLP.forward")
+    assert mlp_start < gated[0].library.line_start <= gated[0].library.line_end <= mlp_end
+    assert any("ACT2FN" in note for note in gated[0].evidence.notes)
+    source = Path(modeling_llama.__file__).read_text()
+    assert not [i for i in scan_source(source, LLAMA, target="cpu") if str(i.category) in ("swiglu", "geglu")]
+
+
 def test_the_reference_maps_kernels_to_library_lines_so_k_is_known(table, reference):
     norm_start, norm_end = _lines_of("LlamaRMSNorm.forward")
     norm_kernels = [g for g in reference.groups if any(line.file == LLAMA and norm_start < line.line_start <= norm_end
@@ -166,11 +184,84 @@ def test_the_reference_maps_kernels_to_library_lines_so_k_is_known(table, refere
     assert any("rsqrt" in k for k in rms.evidence.kernels) and any("cat" in k and "neg" in k for k in rope.evidence.kernels)
 
 
+def _record_table(root: Path):
+    spec = importlib.util.spec_from_file_location(f"hf_steps_{root.name}", root / "hf_steps.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return record_eager_ops(module.make_parts(), root, steps=1, warmup=1)
+
+
+def test_a_later_analysis_takes_k_from_the_runs_reference_where_the_regions_code_is_unchanged(repo, table, reference,
+                                                                                               tmp_path):
+    """The run compiles its reference once, on the original. After an accepted library patch (its import line moves
+    the entry script down a line) the head is analysed without compiling: K of the regions whose code is unchanged
+    comes from the first analysis's records, found by site (their ids moved with their lines), not "?"."""
+    first = align(affinity.detect(table, "AdamW"), table, reference.groups)
+    records = {i.id: intent_record(i, site_fingerprint(repo, i)) for i in first}
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "hf_steps.py").write_text("import os  # the patch module's import line stands here\n" + (repo / "hf_steps.py").read_text())
+    moved = _record_table(head)
+    later = align(affinity.detect(moved, "AdamW"), moved, None, earlier=earlier_lookup(records, lambda i: site_fingerprint(head, i)))
+    for category in ("rmsnorm", "rope"):
+        before, after = _intent(first, category), _intent(later, category)
+        assert after.id != before.id and after.spans[0].line_start == before.spans[0].line_start + 1
+        assert after.evidence.reference_kernels == before.evidence.reference_kernels is not None
+        assert after.evidence.kernels == before.evidence.kernels and "inductor" in after.evidence.detectors
+        assert after.estimate_basis == RUNTIME_BASIS and EARLIER_NOTE in after.evidence.notes
+        assert after.evidence.target_ops == before.evidence.target_ops  # N: counted on the head's own profile
+    blind = align(affinity.detect(moved, "AdamW"), moved, None)  # what a later analysis had before: K unknown
+    assert _intent(blind, "rmsnorm").evidence.reference_kernels is None
+    # the call site's code changed since (a rewrite of that line): the reference never compiled it, K stays unknown
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    (changed / "hf_steps.py").write_text((head / "hf_steps.py").read_text().replace("labels=tokens)", "labels=tokens.clone())"))
+    other = align(affinity.detect(moved, "AdamW"), moved, None, earlier=earlier_lookup(records, lambda i: site_fingerprint(changed, i)))
+    assert _intent(other, "rmsnorm").evidence.reference_kernels is None
+    assert EARLIER_NOTE not in _intent(other, "rmsnorm").evidence.notes
+
+
+def test_sites_whose_records_disagree_on_k_lend_none_and_regions_outside_the_graphs_stay_noted():
+    def record(site, kernels, notes=()):
+        return {"site": site, "evidence": {"reference_kernels": kernels, "kernels": ["k0"] if kernels else [], "notes": list(notes)}}
+
+    records = {"a": record("s1", 3), "b": record("s1", 3), "c": record("s2", 3), "d": record("s2", 4), "e": record(None, 5),
+               "f": record("s3", None, ["no compiled kernel maps to these lines: the region was outside the compiled graphs"]),
+               "g": record("s4", None)}  # an analysis without a reference: lends nothing
+    known = earlier_references(records)
+    assert set(known) == {"s1", "s3"} and known["s1"].kernels == 3 and known["s1"].names == ("k0",)
+    assert known["s3"].kernels is None
+    assert earlier_lookup({"g": record("s4", None)}, lambda i: "s4") is None
+
+
 def _library_intent(category: str, function: str, lines: tuple[int, int], user_line: int = 9) -> Intent:
     spans = [SourceSpan(file="train.py", line_start=user_line, line_end=user_line)]
     library = library_span(LLAMA, *lines, function)
     return Intent(id=Intent.make_id(category, spans, library), category=category, spans=spans, library=library,
                   evidence=Evidence(detectors=["msprof_affinity"]), confidence=0.5, source=IntentSource.advisor_rule)
+
+
+def _kernel(name: str, library_line: int, user_line: int, function: str = "forward") -> FusionGroup:
+    return FusionGroup(kernel=name, phase=Phase.forward, kind=KernelKind.fused,
+                       spans=[SourceSpan(file="train.py", line_start=user_line, line_end=user_line, function=function)],
+                       library_lines=[library_span(LLAMA, library_line, library_line, "LlamaRMSNorm.forward")])
+
+
+def test_library_kernels_of_a_reference_compiled_before_the_run_moved_the_users_lines():
+    """The reference is compiled on the original; a library patch's import line moves the entry script down a line.
+    Kernels are found by the library lines (never edited) and the call site's enclosing function, not its old line."""
+    norm = _library_intent("rmsnorm", "LlamaRMSNorm.forward", (62, 67))
+    first = SourceSpan(file="train.py", line_start=20, line_end=20, function="Net.forward")  # the eager profile's qualname
+    kernels = [_kernel("cpp_fused_rsqrt_0", 65, 20), _kernel("cpp_fused_rsqrt_1", 65, 22),
+               _kernel("cpp_fused_rsqrt_2", 65, 40, function="evaluate"),  # another function's call of the norm
+               _kernel("cpp_fused_gelu_3", 200, 20)]  # another library region from the same line
+    original = norm.model_copy(update={"spans": [first]})
+    assert [k.kernel for k in library_kernels(original, kernels)] == ["cpp_fused_rsqrt_0"]  # lines hold: the call's own
+    moved = norm.model_copy(update={"spans": [first.model_copy(update={"line_start": 21, "line_end": 21})]})
+    # no line matches any more: the function's calls of the region (both of them: which moved where is not known here)
+    assert [k.kernel for k in library_kernels(moved, kernels)] == ["cpp_fused_rsqrt_0", "cpp_fused_rsqrt_1"]
+    elsewhere = norm.model_copy(update={"spans": [SourceSpan(file="train.py", line_start=9, line_end=9, function="main")]})
+    assert library_kernels(elsewhere, kernels) == []  # no call of the region from that function in the reference
 
 
 def test_merge_joins_lines_of_one_library_function_and_keeps_functions_and_user_code_apart():
@@ -289,3 +380,16 @@ def test_analyze_of_a_plain_loop_over_a_hf_llama_in_script_mode_shows_both_locat
     table = result.stderr
     assert f"{LLAMA}:LlamaRMSNorm.forward:{rms.library.lines()}" in table and f"{LLAMA}:apply_rotary_pos_emb:" in table, table
     assert table.count(f"(transformers {transformers.__version__}) via train.py:{call}") >= 2, table  # rmsnorm, rope, ...
+
+
+def test_the_run_reports_intents_table_shows_a_library_intents_location_as_analyze_does():
+    """The run keeps every intent an analysis found (state's intent_evidence) for the report's intents table; a library
+    intent found by an earlier analysis only (done, or its id moved with its lines) showed only the user's line."""
+    from trainbridge.tools.report.sections import intent_record, intents_section
+
+    norm = _library_intent("rmsnorm", "LlamaRMSNorm.forward", (62, 67))
+    kept = intent_record(norm, site="abc")
+    assert LibrarySpan.model_validate(kept["library"]) == norm.library and kept["site"] == "abc"
+    rows = "\n".join(intents_section({"intent_evidence": {norm.id: kept}, "done_intents": [norm.id]}))
+    assert f"| 1 | rmsnorm | {norm.where().replace('_', chr(92) + '_')} | ? vs ? |" in rows, rows  # markdown-escaped
+    assert norm.where().startswith(f"{LLAMA}:LlamaRMSNorm.forward:62-67 (transformers ") and norm.where().endswith(" via train.py:9")

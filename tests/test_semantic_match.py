@@ -169,3 +169,32 @@ def test_a_complex_rotary_turning_the_other_way_is_refused():
 def test_the_coder_gets_a_refusal_not_an_exception_when_the_region_cannot_be_probed():
     edit, why = apply_semantically(FORMS, _span(FORMS, "rotate"), RECIPE)
     assert edit is None and why.startswith("the region cannot be probed") and "reads its object" in why
+
+
+RECORD_FORM = _src('''
+    import torch
+
+
+    def rotary(x_BTHD, cos, sin):
+        """The Modded-NanoGPT records' (2025) rotary: [max_seq_len, head_dim / 2] tables (half of them zero
+        frequencies), sliced to the sequence of BSND x."""
+        assert cos.size(0) >= x_BTHD.size(-3)
+        cos, sin = (
+            cos[None, : x_BTHD.size(-3), None, :],
+            sin[None, : x_BTHD.size(-3), None, :],
+        )
+        x1, x2 = x_BTHD.chunk(2, dim=-1)
+        y1 = x1 * cos + x2 * sin
+        y2 = x1 * (-sin) + x2 * cos
+        return torch.cat((y1, y2), 3)
+''')
+
+
+def test_the_records_rotary_over_sliced_two_dim_half_tables_gets_the_sliced_rewrite():
+    """Every earlier shape set is rejected (the region's assert, then half tables against the full head dim); the
+    2-D half tables find the sliced candidate, in the speedrun direction (r2 = -sin)."""
+    edit, why = apply_semantically(RECORD_FORM, _span(RECORD_FORM, "rotary"), RECIPE)
+    assert edit is not None, why
+    assert "candidate 5 of" in why and "[6, 4]" in why, why
+    assert ("return torch_npu.npu_rotary_mul(x_BTHD, torch.cat((cos, cos), dim=-1)[None, :x_BTHD.size(1), None, :], "
+            "-torch.cat((sin, sin), dim=-1)[None, :x_BTHD.size(1), None, :])") in edit.source

@@ -27,7 +27,8 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "real_style"
 # (category, spans, gain): gain None = reported for every target; else only where GAINS lists it.
 EXPECTED: dict[str, list[tuple[str, tuple[str, ...], str | None]]] = {
     "speedrun_style": [
-        ("elementwise_chain", ("train_gpt.py:20",), "elementwise_chain"),  # k2 * G + k3 * (G @ G): one addmm
+        # k2 * G + k3 * (G @ G), then k1 * Y + poly @ Y: one addmm each, one region (Y's step reads poly)
+        ("elementwise_chain", ("train_gpt.py:20-21",), "elementwise_chain"),
         ("optimizer_step", ("train_gpt.py:32-39",), None),  # for w in group["params"]: lerp_, add_
         ("rmsnorm", ("train_gpt.py:42-43",), "library_rmsnorm"),  # the helper rmsn() whole; its call sites are not
         ("rope", ("train_gpt.py:54-57",), None),  # rotation of the halves, outputs swapped: Rotor.forward whole
@@ -260,3 +261,25 @@ def test_one_line_bodies_are_scanned():
         "    for p in model.parameters(): p.grad /= n\n"
     )
     assert _rows(scan_source(code, "m.py", target="npu")) == [("optimizer_step", ("m.py:4",)), ("rmsnorm", ("m.py:2",))]
+
+
+EVAL_ONLY_UPCAST = """\
+import torch
+import torch.nn.functional as F
+
+
+class Head(torch.nn.Module):
+    def forward(self, x, targets):
+        logits = 30 * torch.sigmoid(self.proj(x) / 7.5)
+        for_loss = logits.float() if not self.training else logits
+        return F.cross_entropy(for_loss.view(-1, for_loss.size(-1)), targets, reduction="sum" if self.training else "mean")
+"""
+
+
+def test_an_upcast_in_one_branch_of_a_conditional_still_feeds_the_loss():
+    """Modded-NanoGPT's late records upcast the logits for evaluation only (`logits.float() if not self.training else
+    logits`): the NPU's fused cross-entropy takes both, and the scan found neither before."""
+    intents = scan_source(EVAL_ONLY_UPCAST, "head.py", target="npu")
+    losses = [str(i.spans[0]) for i in intents if str(i.category) == "cross_entropy"]
+    assert losses == ["head.py:8-9"], [(str(i.category), str(i.spans[0])) for i in intents]
+    assert not [i for i in scan_source(EVAL_ONLY_UPCAST, "head.py", target="cpu") if str(i.category) == "cross_entropy"]

@@ -33,6 +33,24 @@ def test_labels_name_pinned_public_files_and_valid_spans():
     assert len(must) >= 90  # the figures in the results files are over this many regions
 
 
+UNSEEN = Path(corpus_recall.__file__).resolve().parent / "corpus" / "labels_unseen.yaml"
+USED = {"KellerJordan/modded-nanogpt", "Lightning-AI/litgpt", "huggingface/pytorch-image-models", "karpathy/llm.c",
+        "karpathy/nanochat", "pytorch/torchtitan", "karpathy/nanoGPT", "karpathy/minGPT"}
+
+
+def test_unseen_labels_are_30_plus_public_files_from_repositories_not_used_before():
+    files, must, may = corpus_recall.load_labels(UNSEEN)
+    categories = {c.value for c in IntentCategory}
+    assert len(files) >= 30 and len({f["local"] for f in files}) == len(files)
+    assert not {f["repo"] for f in files} & USED and len({f["repo"] for f in files}) >= 10
+    for f in files:
+        assert re.fullmatch(r"[0-9a-f]{40}", f["commit"]) and f["extract"] == "file" and f["local"].endswith(".py"), f
+    assert {r.category for r in must + may} <= categories
+    assert len(must) >= 75  # the figures in the 2026-12-04-corpus-unseen results are over this many regions
+    old_names = {f["local"] for f in corpus_recall.load_labels()[0]}
+    assert not old_names & {f["local"] for f in files}  # both corpora can share a folder
+
+
 def test_extract_log_code_both_layouts_and_a_broken_log():
     early = f"{SEP}\nimport torch\nx = 1\n{SEP}\nstep:0 loss 3.1\n"
     late = f"import torch\nx = 1\n{SEP}\nRunning pytorch\n{SEP}\nstep:0\n"
@@ -105,6 +123,14 @@ def test_command_line_scores_a_folder_and_refuses_a_missing_file(tmp_path, capsy
     # the same folder scored for the CPU: neither is a gain there
     assert corpus_recall.main([str(corpus), "--labels", str(labels), "--target", "cpu", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["scores"]["overall"]["found"] == 0
+    # a higher recall bar is reported as not met when a region is missed
+    data = yaml.safe_load(labels.read_text())
+    data["files"][0]["must"]["gelu"] = ["1"]  # line 1 holds no GELU: one missed region in three
+    labels.write_text(yaml.safe_dump(data))
+    assert corpus_recall.main([str(corpus), "--labels", str(labels), "--goal-recall", "0.95", "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["goal_recall"] == 0.95 and payload["goal_met"] is False and payload["detector_failures"] == []
+    assert "goal (recall >= 95%" in capsys.readouterr().out
     (corpus / "tiny.py").unlink()
     assert corpus_recall.main([str(corpus), "--labels", str(labels)]) == 2
     assert "missing from" in capsys.readouterr().err

@@ -40,10 +40,11 @@ GELU = textwrap.dedent("""
 """)
 
 
-def test_a_rotary_on_integer_indices_is_no_crash_and_the_interleaved_one_is_found():
-    # it raised "not enough values to unpack (expected at least 4, got 3)" and lost the whole repository
+def test_a_rotary_on_integer_indices_is_no_crash_and_both_rotations_are_found():
+    # it raised "not enough values to unpack (expected at least 4, got 3)" and lost the whole repository;
+    # x[..., 0] / x[..., 1] are the two entries of a trailing pair axis: a rotation like the interleaved one
     intents = scan_source(ROTARY_BY_INDEX, "rotary.py", target="npu")
-    assert [(str(i.category), i.spans[0].function) for i in intents] == [("rope", "rotate_interleaved")]
+    assert [(str(i.category), i.spans[0].function) for i in intents] == [("rope", "rotate_pairs"), ("rope", "rotate_interleaved")]
 
 
 @pytest.fixture

@@ -15,11 +15,16 @@ An intent located in a library (`Intent.library`: the region is `LlamaRMSNorm.fo
 transformers, reached from the user's `model(x)` line) counts only the ops that ran under that
 library region from its call sites, and the reference kernels whose stacks pass through it: regions
 of one library called from one user line keep their own N and K.
+
+The run compiles its reference once, on the original program. A later analysis of the run's head (after an accepted
+rewrite) compiles nothing: `earlier` gives, for a region whose code is unchanged since, the K the first analysis
+counted there (agents/analyst/earlier_reference.py matches regions by their code, not their moved lines).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trainbridge.records import FusionGroup, Intent, IntentCategory, IntentSource, LibrarySpan, Phase, SourceSpan
@@ -28,12 +33,27 @@ from trainbridge.tools.eager_profile import UNATTRIBUTED_FILE, EagerOp, EagerOpT
 STATIC_ONLY_BASIS = "no runtime evidence: not estimated"
 RUNTIME_BASIS = "estimate: eager time in region x (1 - K reference kernels / N eager ops)"
 NO_REFERENCE_BASIS = "estimate: eager time in region x 0.5 (no compiled reference to count kernels)"
+NO_KERNEL_NOTE = "no compiled kernel maps to"  # how a region outside the compiled graphs is noted (K unknown there)
+EARLIER_NOTE = ("K from the run's compile reference of the original program (this region's code is unchanged since; "
+                "this analysis compiled nothing)")
 _HOST_SYNC_OPS = {"aten::_local_scalar_dense", "aten::item"}
 # Program-level categories: one intent per program, whatever lines the runtime detectors pointed at
 # (the optimizer is rewritten where it is constructed, the advisor points at where it steps). Two
 # source findings at different places (an optimizer built with foreach=False and a Muon-style
 # per-parameter loop) are two rewrite sites and stay apart.
 _PROGRAM_LEVEL = {IntentCategory.optimizer_step, IntentCategory.conv_layout}
+
+
+@dataclass(frozen=True)
+class EarlierReference:
+    """What an earlier analysis's compile reference counted for a region: K and the kernels' names, or `kernels` None
+    when no compiled kernel mapped to the region (it was outside the compiled graphs)."""
+
+    kernels: int | None
+    names: tuple[str, ...] = ()
+
+
+EarlierLookup = Callable[[Intent], EarlierReference | None]
 
 
 @dataclass
@@ -48,8 +68,10 @@ def align(
     reference: list[FusionGroup] | None = None,
     *,
     step: int = 0,
+    earlier: EarlierLookup | None = None,
 ) -> list[Intent]:
-    """Merge pattern intents that describe the same region, attach runtime evidence, rank."""
+    """Merge pattern intents that describe the same region, attach runtime evidence, rank. Without a `reference`,
+    `earlier` (when given) supplies K of regions an earlier analysis's reference counted."""
     merged = merge(pattern_intents)
     if table is None:
         return rank(merged)
@@ -58,7 +80,9 @@ def align(
     by_line = _ops_by_line(ops)
     kernels_by_line = _kernels_by_line(reference or [])
     regions = _Regions(table, by_line, kernels_by_line, reference or [])
-    return rank([_with_runtime(intent, regions, step_time, ops, reference is not None) for intent in merged])
+    if reference is not None:
+        earlier = None
+    return rank([_with_runtime(intent, regions, step_time, ops, reference is not None, earlier) for intent in merged])
 
 
 @dataclass
@@ -123,7 +147,8 @@ def rank(intents: list[Intent]) -> list[Intent]:
     return sorted(intents, key=lambda i: (i.estimated_saving_us is None, -(i.estimated_saving_us or 0.0), -i.confidence, i.id))
 
 
-def _with_runtime(intent: Intent, regions: _Regions, step_time, all_ops: list[EagerOp], has_reference: bool) -> Intent:
+def _with_runtime(intent: Intent, regions: _Regions, step_time, all_ops: list[EagerOp], has_reference: bool,
+                  earlier: EarlierLookup | None = None) -> Intent:
     region = _region_ops(intent, regions, all_ops)
     updated = intent.model_copy(deep=True)
     evidence = updated.evidence
@@ -139,19 +164,25 @@ def _with_runtime(intent: Intent, regions: _Regions, step_time, all_ops: list[Ea
     if not evidence.target_op_names:
         evidence.target_op_names = [op.name for op in region if op.phase == Phase.forward][:64]
     evidence.detectors = sorted(set(evidence.detectors) | {"eager_profile"})
-    kernels = _region_kernels(intent, regions) if has_reference else None
-    if kernels == []:
+    counted: EarlierReference | None = None
+    if has_reference:
+        kernels = _region_kernels(intent, regions)
+        counted = EarlierReference(len(kernels) or None, tuple(sorted({k.kernel for k in kernels})[:64]))
+    elif earlier is not None:
+        counted = earlier(intent)
+        if counted is not None:
+            evidence.notes.append(EARLIER_NOTE)
+    if counted is not None and counted.kernels is None:
         where = "this library region" if intent.library is not None else "these lines"
-        evidence.notes.append(f"no compiled kernel maps to {where}: the region was outside the compiled graphs")
-        kernels = None
-    if kernels is not None:
-        evidence.reference_kernels = len(kernels)
-        evidence.kernels = sorted({k.kernel for k in kernels})[:64]
+        evidence.notes.append(f"{NO_KERNEL_NOTE} {where}: the region was outside the compiled graphs")
+    if counted is not None and counted.kernels is not None:
+        evidence.reference_kernels = counted.kernels
+        evidence.kernels = list(counted.names)
         evidence.detectors = sorted(set(evidence.detectors) | {"inductor"})
-        fused_away = 1.0 - min(len(kernels), n_ops) / n_ops
+        fused_away = 1.0 - min(counted.kernels, n_ops) / n_ops
         updated.estimated_saving_us = round(time_us * fused_away, 3)
         updated.estimate_basis = RUNTIME_BASIS
-        if len(kernels) < n_ops:
+        if counted.kernels < n_ops:
             updated.confidence = min(1.0, max(updated.confidence, 0.7) + 0.2)
     else:
         updated.estimated_saving_us = round(time_us * 0.5, 3)
@@ -189,14 +220,33 @@ def _region_kernels(intent: Intent, regions: _Regions) -> list[FusionGroup]:
 
 
 def library_kernels(intent: Intent, kernels: list[FusionGroup]) -> list[FusionGroup]:
-    """Reference kernels whose stacks pass through the intent's library region. A kernel that also names user lines
-    (a model of the user's own that calls the library) must come from one of the intent's call sites; one that names
-    none (a library model compiled from its own forward, as script mode does) is the region's wherever called."""
+    """Reference kernels whose stacks pass through the intent's library region, matched by the library's lines (files
+    the run never edits). A kernel that also names user lines (a model of the user's own that calls the library) must
+    come from one of the intent's call sites; one that names none (a library model compiled from its own forward, as
+    script mode does) is the region's wherever called.
+
+    The reference is compiled once, on the original; the user's lines of a later head move under the run's own edits
+    (a library patch's import line moves the entry script down a line). A call site is therefore matched by its line
+    when some kernel's line is that call's, else by its enclosing function (file and function name: moved lines keep
+    it), so two calls of one library function from one user function keep their own kernels while lines hold."""
     library = intent.library
     if library is None:
         return []
-    return [k for k in kernels if any(library.contains(line.file, line.line_start) for line in k.library_lines)
-            and (not k.spans or _overlap(k.spans, intent.spans))]
+    region = [k for k in kernels if any(library.contains(line.file, line.line_start) for line in k.library_lines)]
+    by_line = [k for k in region if not k.spans or _overlap(k.spans, intent.spans)]
+    if any(k.spans for k in by_line):
+        return by_line
+    return [k for k in region if not k.spans or _same_function(k.spans, intent.spans)]
+
+
+def _same_function(left: list[SourceSpan], right: list[SourceSpan]) -> bool:
+    """Some span of each side in one file and one enclosing function (the eager profile names it by its qualified
+    name, a compiled stack by its bare name: the last dotted part is compared)."""
+    def key(span: SourceSpan) -> tuple[str, str] | None:
+        return (span.file, span.function.rsplit(".", 1)[-1]) if span.function else None
+
+    found = {key(s) for s in left} - {None}
+    return any(key(s) in found for s in right)
 
 
 def _ops_by_line(ops: list[EagerOp]) -> dict[tuple[str, int], list[EagerOp]]:

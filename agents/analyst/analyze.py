@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 from pydantic import Field
 
 from trainbridge.agents.analyst import affinity
-from trainbridge.agents.analyst.align import align
+from trainbridge.agents.analyst.align import EarlierLookup, align
 from trainbridge.agents.analyst.library_scan import scan_library_regions
 from trainbridge.agents.analyst.static.scan import scan_repo_result
 from trainbridge.records import FusionGroup, Intent, Record
@@ -43,7 +43,8 @@ class AnalysisError(RuntimeError):
 class Analysis(Record):
     repo: str
     backend: str
-    mode: str = Field(description="runtime (profile + reference), runtime-no-reference, or static")
+    mode: str = Field(description="runtime (profile + reference), runtime-earlier-reference (K of unchanged regions from "
+                      "the run's first analysis), runtime-no-reference, or static")
     intents: list[Intent]
     phase_seconds: dict[str, float] = Field(default_factory=dict)
     eager_ops_per_step: int | None = None
@@ -65,8 +66,11 @@ def analyze_repo(
     reference_pack: Path | None = None,
     compile_reference: bool = True,
     on_phase: PhaseCallback | None = None,
+    earlier: EarlierLookup | None = None,
 ) -> Analysis:
-    """Analyse `workload` (its root may be a worktree). Raises AnalysisError when a runtime phase fails."""
+    """Analyse `workload` (its root may be a worktree). Raises AnalysisError when a runtime phase fails. Without a
+    reference to compile or read, `earlier` (agents/analyst/earlier_reference.py) gives K of the regions an earlier
+    analysis of the same run counted and whose code is unchanged."""
     timings: dict[str, float] = {}
     notes: list[str] = []
     root = workload.root
@@ -96,6 +100,9 @@ def analyze_repo(
             reference_step_s = _compiled_step_s(evidence_dir) if reference_pack is None and source != HOST_REFERENCE else None
             parsed = parse_evidence_dir(evidence_dir, root)
             reference_groups, summary = parsed.groups, parsed.summary
+    elif earlier is not None:
+        notes.append("no reference compiled in this analysis: K (reference kernels) from the run's first analysis for the "
+                     "regions whose code is unchanged since; elsewhere unknown, savings estimated coarsely")
     else:
         notes.append("no compiled reference: K (reference kernels) unknown, savings estimated coarsely")
 
@@ -105,12 +112,13 @@ def analyze_repo(
         library_intents, library_notes = scan_library_regions(table, target=backend)
     notes.extend(library_notes)
     with _timed("align", timings, on_phase):
-        intents = align(scanned.intents + library_intents + advisor_intents, table, reference_groups)
+        intents = align(scanned.intents + library_intents + advisor_intents, table, reference_groups, earlier=earlier)
     step_ops = sum(1 for op in table.ops if op.step == 0)
     return Analysis(
         repo=str(root),
         backend=backend,
-        mode="runtime" if reference_groups is not None else "runtime-no-reference",
+        mode="runtime" if reference_groups is not None else ("runtime-earlier-reference" if earlier is not None
+                                                              else "runtime-no-reference"),
         intents=intents,
         phase_seconds=timings,
         eager_ops_per_step=step_ops,

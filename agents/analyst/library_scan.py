@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from trainbridge.agents.analyst.static.forms import CONFIGURED_NOTE
 from trainbridge.agents.analyst.static.model import StaticScanError
 from trainbridge.agents.analyst.static.scan import scan_source
 from trainbridge.records import Intent, LibrarySpan, Phase, SourceSpan
@@ -37,7 +38,7 @@ def scan_library_regions(table: EagerOpTable, *, target: str | None = None, step
         if source is None:
             continue
         try:
-            found = scan_source(source, rel, target=target)
+            found = scan_source(source, rel, target=target, library=True)
         except StaticScanError as exc:
             notes.append(f"library file {rel} not scanned: {exc}")
             continue
@@ -74,13 +75,24 @@ def _path_of(rel: str) -> Path | None:
     return None
 
 
+_GATED_OPS = {"swiglu": {"aten::silu", "aten::silu_"}, "geglu": {"aten::gelu", "aten::gelu_"}}
+
+
+def _configured_kind_ran(static: Intent, ops) -> bool:
+    """A gated activation whose activation is chosen by configuration (`ACT2FN[config.hidden_act]`, LlamaMLP's
+    `act_fn`) is found as both kinds; the kind whose op ran under the region is the one kept."""
+    if not any(CONFIGURED_NOTE in note for note in static.evidence.notes) or str(static.category) not in _GATED_OPS:
+        return True
+    return any(op.name in _GATED_OPS[str(static.category)] for op in ops)
+
+
 def _located(static: Intent, rel: str, table: EagerOpTable, step: int) -> Intent | None:
     """The static finding as a library intent, if some op of the step ran under its first span."""
     region = static.spans[0]
     ops = [op for op in table.ops if op.step == step and any(
         frame.function.file == rel and region.line_start <= frame.line <= region.line_end for frame in table.library_of(op))]
     calls = sorted({(op.span.file, op.span.line_start, op.span.function) for op in ops if op.span.file != UNATTRIBUTED_FILE})
-    if not calls:
+    if not calls or not _configured_kind_ran(static, ops):
         return None
     spans = [SourceSpan(file=file, line_start=line, line_end=line, function=function) for file, line, function in calls]
     library: LibrarySpan = library_span(rel, region.line_start, region.line_end, region.function)

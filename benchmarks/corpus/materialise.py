@@ -1,6 +1,10 @@
 """Write the corpus files named by labels.yaml into a folder, from local git mirrors.
 
     python benchmarks/corpus/materialise.py --mirrors MIRRORS_DIR --out /tmp/trainbridge-corpus
+    python benchmarks/corpus/materialise.py --labels benchmarks/corpus/labels_unseen.yaml --mirrors ... --out ...
+
+``--labels`` picks the labels file (default: ``labels.yaml``, the development corpus;
+``labels_unseen.yaml`` is the corpus of repositories the team had not used, issue 30).
 
 MIRRORS_DIR holds one bare or normal git directory per repository, found as
 ``MIRRORS_DIR/<owner>+<name>/repo`` (the layout the session's ``fetch`` tool leaves),
@@ -81,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mirrors", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--labels", type=Path, default=LABELS, help="labels file naming the files (default: labels.yaml)")
     args = parser.parse_args(argv)
-    problems = materialise(args.mirrors, args.out)
+    problems = materialise(args.mirrors, args.out, args.labels)
     for p in problems:
         print(p, file=sys.stderr)
     return 1 if problems else 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .forms import (
+    CONFIGURED_NOTE,
     activation_of,
     const_product,
     const_product_is,
@@ -18,6 +19,7 @@ from .match import (
     Found,
     Helper,
     call,
+    const_value,
     peek,
     factors,
     follow,
@@ -25,18 +27,34 @@ from .match import (
     pattern,
     same,
     terms,
+    uncast,
 )
 
 
 @pattern
+def _swish_argument(ctx: Ctx, inner: Expr, x: Expr) -> bool:
+    """``inner`` is ``beta * x`` with ``beta`` a name or an attribute (Swish, SiLU at beta = 1).
+
+    A constant beta is left out: ``x * sigmoid(1.702 * x)`` is QuickGELU, another function.
+    """
+    fs = factors(ctx, inner)
+    if len(fs) != 2 or any(p != 1 for _, p in fs):
+        return False
+    for (b, _), (y, _) in (fs, fs[::-1]):
+        if same(y, x) and peek(b).kind in ("name", "attr") and const_value(b) is None and not same(b, x):
+            return True
+    return False
+
+
+@pattern
 def silu_form(ctx: Ctx, e: Expr) -> Expr | None:
-    """x * sigmoid(x) or x / (1 + exp(-x)) -> x."""
+    """x * sigmoid(x), x * sigmoid(beta * x) (Swish) or x / (1 + exp(-x)) -> x."""
     fs = factors(ctx, e)
     tensors = tensor_factors(fs)
     if len(tensors) == 2 and len(fs) == 2 and all(p == 1 for _, p in fs):
         for (a, _), (b, _) in (tensors, tensors[::-1]):
             inner = sigmoid_of(ctx, b)
-            if inner is not None and same(inner, a):
+            if inner is not None and (same(inner, a) or _swish_argument(ctx, inner, a)):
                 return a
     if len(fs) == 2 and fs[0][1] == 1 and fs[1][1] == -1:
         parts = terms(ctx, fs[1][0])
@@ -61,13 +79,22 @@ def _quick_gelu(ctx: Ctx, x: Expr, bracket: Expr) -> Expr | None:
 
 
 @pattern
+def _one(ctx: Ctx, e: Expr, x: Expr) -> bool:
+    """The constant 1, or ``torch.ones_like(x)`` (with casts around it)."""
+    if is_const(e, 1.0):
+        return True
+    ones = call(ctx, uncast(ctx, e), "ones_like")
+    return ones is not None and same(ones.args[0], x)
+
+
+@pattern
 def _gelu_bracket(ctx: Ctx, x: Expr, bracket: Expr) -> str | None:
     """(1 + tanh(...x...0.044715...)) or (1 + erf(x / sqrt(2)))."""
     parts = terms(ctx, bracket)
     if len(parts) != 2 or not all(sign == 1 for _, sign in parts):
         return None
     for (one, _), (fn, _) in (parts, parts[::-1]):
-        f = call(ctx, fn, "tanh", "erf") if is_const(one, 1.0) else None
+        f = call(ctx, uncast(ctx, fn), "tanh", "erf") if _one(ctx, one, x) else None
         if f is None or not f.args:
             continue
         z = f.args[0]
@@ -125,6 +152,9 @@ def _gated(ctx: Ctx, e: Expr, kind: str) -> Found | None:
         gate = activation_of(ctx, f, kind)
         if gate is not None:
             name = {"silu": "SiLU", "gelu": "GELU"}[kind]
+            if ctx.configured:
+                return Found(0.5, f"gated activation written out: act(gate) * up, act {CONFIGURED_NOTE}; {name} where "
+                                  f"{kind} ran")
             return Found(0.55, f"gated {name} written out: {kind}(gate) * up")
     if kind == "silu" and len(tensors) >= 3:
         for i, (s, _) in enumerate(tensors):
@@ -151,7 +181,7 @@ def rotate_half_of(ctx: Ctx, e: Expr) -> Expr | None:
     x = follow(ctx, e)
     if x.kind == "call" and x.args:
         helper = ctx.index.resolve(ctx.file, x)
-        if helper is not None and ctx.index.helper_kind(helper) == "rotate_half":
+        if helper is not None and ctx.index.helper_kind(helper) in ("rotate_half", "rotate_every_two"):
             ctx.core.append(x)
             ctx.helpers.append(helper)
             return x.args[0]
@@ -159,7 +189,7 @@ def rotate_half_of(ctx: Ctx, e: Expr) -> Expr | None:
             ctx.core.append(x)
             return x.args[0]
         static = _static_method(ctx, x)
-        if static is not None and ctx.index.helper_kind(static) == "rotate_half":
+        if static is not None and ctx.index.helper_kind(static) in ("rotate_half", "rotate_every_two"):
             ctx.core.append(x)
             ctx.helpers.append(static)
             return x.args[1]
@@ -198,6 +228,9 @@ def rope(ctx: Ctx, e: Expr) -> Found | None:
     if len(parts) == 2 and parts[0][1] == 1:
         for (a, _), (b, _) in (parts, parts[::-1]):
             if _rope_terms(ctx, b, a):
+                if any(ctx.index.helper_kind(h) == "rotate_every_two" for h in ctx.helpers):
+                    return Found(0.55, "rotary embedding written out, interleaved pairs: x * cos + rotate_every_two(x) * sin "
+                                       "(npu_rotary_mul mode 'interleave')")
                 return Found(0.55, "rotary embedding written out: x * cos + rotate_half(x) * sin")
     real = call(ctx, e, "view_as_real")
     if real is not None and real.args:

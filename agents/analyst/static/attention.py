@@ -14,6 +14,7 @@ from .match import (
     factors,
     follow,
     pattern,
+    peek,
     same,
     scalar_like,
     str_arg,
@@ -79,11 +80,26 @@ def _probabilities(ctx: Ctx, e: Expr) -> tuple[Expr, str] | None:
         if dropped is None or not dropped.args:
             break
         x = uncast(ctx, dropped.args[0])
-    soft = call(ctx, x, "softmax", "_softmax")
+    soft = call(ctx, x, "softmax", "_softmax") or _softmax_module(ctx, x)
     if soft is not None and soft.args:
         return soft.args[0], "softmax"
     inner = softmax_form(ctx, x)
     return (inner, "manual softmax") if inner is not None else None
+
+
+@pattern
+def _softmax_module(ctx: Ctx, e: Expr) -> Expr | None:
+    """``self.attend(x)`` where ``__init__`` set ``self.attend = nn.Softmax(dim=-1)``."""
+    x = follow(ctx, e)
+    if x.kind != "call" or x.method or not x.op.startswith("self.") or not x.args:
+        return None
+    cls = x.stmt.scope.class_name
+    value = ctx.file.module_attrs.get((cls, x.op[5:])) if cls else None
+    built = peek(value) if value is not None else None
+    if built is None or built.kind != "call" or built.method or built.op != "Softmax":
+        return None
+    ctx.core.append(x)
+    return x
 
 
 @pattern

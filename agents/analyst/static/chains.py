@@ -7,17 +7,23 @@ Reported only for targets listing the ``elementwise_chain`` gain (targets.GAINS)
   (constant, name or attribute) caps;
 - blends: ``a * x + b * y`` where each product has a coefficient (a constant, ``self.w``,
   ``self.lambdas[i]``, ``1 - self.lamb``) and a tensor (a call result, a function parameter);
-  scalar arithmetic (``(1 - frac) * 0.85 + frac * 0.95`` with ``frac = min(...)``) is not a chain;
-- scale-and-shift: ``x * (1 + scale) + shift``.
+  scalar arithmetic (``(1 - frac) * 0.85 + frac * 0.95`` with ``frac = min(...)``, a weighted sum of
+  losses, a product of sizes) is not a chain;
+- scale-and-shift: ``x * (1 + scale) + shift``;
+- matrix blends: ``a * X + B @ X``, ``b * A + c * A @ A``, ``a * X + b * B + c * A @ B`` (a Newton-Schulz step of a
+  Muon optimizer): scalings and adds around a matmul, which ``torch.addmm`` / ``baddbmm`` fold into the matmul.
 """
 
 from __future__ import annotations
+
+import re
 
 from .forms import square_of
 from .match import Ctx, Expr, Found, call, const_value, factors, pattern, peek, same, terms
 
 _SCALAR_BUILTINS = frozenset({"min", "max", "len", "int", "float", "round", "abs", "sum"})  # called as functions
 _SCALAR_METHODS = frozenset({"size", "numel", "item", "dim"})  # tensor methods that return Python numbers
+_LOSS = re.compile(r"loss|criterion|cross_entropy", re.IGNORECASE)
 
 
 def _is_param(e: Expr) -> bool:
@@ -39,6 +45,8 @@ def coefficient(e: Expr, depth: int = 0) -> bool:
         return simple and peek(x.args[0]).kind == "attr" and coefficient(x.args[0], depth + 1)
     if x.kind == "call" and depth < 4:
         if (x.op in _SCALAR_BUILTINS and not x.method and x.callee == x.op) or (x.method and x.op in _SCALAR_METHODS):
+            return True
+        if _LOSS.search(x.op):  # criterion(out, y), F.mse_loss(...): a loss value, weighted into a total loss
             return True
         if x.op in ("add", "sub", "mul", "div", "neg"):
             return all(coefficient(a, depth + 1) for a in x.args)
@@ -77,7 +85,8 @@ def soft_cap(ctx: Ctx, e: Expr) -> Found | None:
             continue
         outer = [g for j, (g, _) in enumerate(fs) if j != i]
         inner = factors(ctx, squash.args[0])
-        capped = [(g, q) for g, q in inner if any(same(g, o) for o in outer)]  # tanh(x / t) * t: t may be a parameter
+        # tanh(x / t) * t: t may be a parameter, but it divides inside (x * sigmoid(b * x) is a swish, not a cap)
+        capped = [(g, q) for g, q in inner if q == -1 and any(same(g, o) for o in outer)]
         values = [g for g, q in inner if q == 1 and (g, q) not in capped and not coefficient(g)]
         scales = [g for g, q in inner if (g, q) in capped or coefficient(g)]
         if len(values) != 1 or not scales or len(values) + len(scales) != len(inner):
@@ -99,7 +108,8 @@ def _weighted(ctx: Ctx, term: Expr) -> bool:
     if len(fs) < 2 or any(p != 1 for _, p in fs):
         return False
     weights = [f for f, _ in fs if coefficient(f) and const_value(f) not in (1.0, -1.0)]  # -a is not a scaling
-    return bool(weights) and any(tensor_like(f) for f, _ in fs)
+    # one tensor per product: 2 * layers * batch * seq * hidden is a count of sizes, not a scaled tensor
+    return bool(weights) and sum(tensor_like(f) for f, _ in fs) == 1
 
 
 @pattern
@@ -126,3 +136,27 @@ def scale_and_shift(ctx: Ctx, e: Expr) -> Found | None:
                 return Found(0.4, "scale-and-shift x * (1 + scale) + shift: three eager kernels; one fused kernel "
                                   "under Inductor (torch.addcmul)")
     return None
+
+
+@pattern
+def _scaled(ctx: Ctx, term: Expr) -> bool:
+    """``a * X`` with a number (``a, b, c = (3.4445, -4.7750, 2.0315)``) and an operand that is not one: X may be a
+    name the loop rebinds (``X = a * X + B @ X``), which `tensor_like` cannot see through."""
+    x = peek(term)
+    if x.kind != "call" or x.op != "mul" or len(x.args) != 2:
+        return False
+    return sum(const_value(a) is not None for a in x.args) == 1
+
+
+@pattern
+def matmul_blend(ctx: Ctx, e: Expr) -> Found | None:
+    parts = terms(ctx, e)
+    if len(parts) < 2 or any(sign != 1 for _, sign in parts):
+        return None
+    products = [t for t, _ in parts if call(ctx, t, "matmul") is not None]
+    if not products or not all(any(t is p for p in products) or _weighted(ctx, t) or _scaled(ctx, t) for t, _ in parts):
+        return None
+    if len(products) == len(parts):
+        return None  # A @ B + C @ D: no scaling to fold
+    return Found(0.4, "matrix blend a * X + b * (A @ B): scalings, a matmul and adds launched one by one; torch.addmm "
+                      "(baddbmm for batches) folds the scalings and the add into the matmul")

@@ -20,6 +20,7 @@ from .match import (
     peek,
     same,
     scalar_like,
+    str_arg,
     terms,
     uncast,
 )
@@ -28,6 +29,8 @@ SILU_CALLS = frozenset({"silu", "swish"})
 GELU_CALLS = frozenset({"gelu", "gelu_new", "gelu_pytorch_tanh"})  # not QuickGELU: another function
 ACTIVATION_MODULES = {"silu": frozenset({"SiLU"}), "gelu": frozenset({"GELU"})}
 ACTIVATION_CALLS = {"silu": SILU_CALLS, "gelu": GELU_CALLS}
+CONFIGURED_ACTIVATIONS = frozenset({"ACT2FN"})  # transformers' table of activations by name (config.hidden_act)
+CONFIGURED_NOTE = "chosen by configuration (ACT2FN[...])"  # a finding's note: which activation ran decides its kind
 
 
 @pattern
@@ -145,11 +148,21 @@ def activation_of(ctx: Ctx, e: Expr, kind: str) -> Expr | None:
         if built is not None and built.kind == "call" and built.op in ACTIVATION_MODULES[kind]:
             ctx.core.append(x)
             return x.args[0]
+        if ctx.configured_activations and built is not None and _configured(built):
+            ctx.core.append(x)
+            ctx.configured.append(x)
+            return x.args[0]
         return None
     if not x.method and x.op in ACTIVATION_CALLS[kind]:
         ctx.core.append(x)
         return x.args[0]
     return None
+
+
+def _configured(built: Expr) -> bool:
+    """`ACT2FN[config.hidden_act]`: an activation looked up by name in a library's table."""
+    return built.kind == "subscript" and bool(built.args) and built.args[0].kind == "name" \
+        and built.args[0].op in CONFIGURED_ACTIVATIONS
 
 
 @pattern
@@ -170,15 +183,90 @@ def halves_of(ctx: Ctx, first: Expr, second: Expr) -> Expr | None:
     if a.kind == "item" and b.kind == "item" and (a.value, b.value) == (0, 1):
         container = uncast(ctx, a.args[0])
         if container is uncast(ctx, b.args[0]) and container.kind == "call":
-            if container.op in ("chunk", "split", "tensor_split", "unbind"):
+            if container.op == "unbind" and container.args:
+                ctx.core.append(container)
+                return _split_in_two(ctx, container.args[0], container.arg(1, "dim")) or container.args[0]
+            if container.op in ("chunk", "split", "tensor_split"):
                 ctx.core.append(container)
                 return container.args[0] if container.args else None
     return None
 
 
 @pattern
+def _split_in_two(ctx: Ctx, e: Expr, dim: Expr | None) -> Expr | None:
+    """The tensor whose last dimension ``e`` splits into (2, d), unbound along that 2: the two halves.
+
+    ``rearrange(x, '... (j d) -> ... j d', j=2)`` then ``.unbind(dim=-2)``, or
+    ``x.unflatten(-1, (2, -1)).unbind(-2)``.
+    """
+    if dim is None or not is_const(dim, -2.0):
+        return None
+    x = follow(ctx, e)
+    if x.kind != "call" or not x.args:
+        return None
+    if x.op == "rearrange":
+        spec = str_arg(x, 1)
+        if spec is None or "->" not in spec:
+            return None
+        left, right = (side.split() for side in spec.replace("(", " ( ").replace(")", " ) ").split("->"))
+        if len(left) < 4 or left[-4:-2] != ["(", left[-3]] or left[-1] != ")" or right[-2:] != left[-3:-1]:
+            return None
+        two = x.kwargs.get(left[-3])
+        if two is None or not is_const(two, 2.0):
+            return None
+        ctx.core.append(x)
+        return x.args[0]
+    if x.op == "unflatten" and len(x.args) >= 3 and is_const(x.args[1], -1.0):
+        shape = peek(x.args[2])
+        if shape.kind == "tuple" and len(shape.args) == 2 and is_const(shape.args[0], 2.0):
+            ctx.core.append(x)
+            return x.args[0]
+    return None
+
+
+@pattern
+def _pairs_of(ctx: Ctx, first: Expr, second: Expr) -> Expr | None:
+    """``first``/``second`` are the even and odd entries of one tensor's last dimension: x[..., ::2], x[..., 1::2]."""
+    a, b = follow(ctx, first), follow(ctx, second)
+    if a.kind != "subscript" or b.kind != "subscript" or not a.value or not b.value or not same(a.args[0], b.args[0]):
+        return None
+    if a.value[-1][0] != "slice" or b.value[-1][0] != "slice":
+        return None
+    (_, lo_a, hi_a, st_a), (_, lo_b, hi_b, st_b) = a.value[-1], b.value[-1]
+    if hi_a is not None or hi_b is not None or st_a is None or st_b is None:
+        return None
+    if not (is_const(st_a, 2.0) and is_const(st_b, 2.0) and (lo_a is None or is_const(lo_a, 0.0))):
+        return None
+    if lo_b is None or not is_const(lo_b, 1.0):
+        return None
+    ctx.core += [a, b]
+    return a.args[0]
+
+
+@pattern
+def rotate_every_two(ctx: Ctx, e: Expr) -> Expr | None:
+    """``torch.stack((-x2, x1), dim=-1).flatten(-2)`` with x1, x2 the even and odd entries of x -> x (GPT-J style)."""
+    flat = call(ctx, e, "flatten", "reshape", "view")
+    if flat is None or not flat.args:
+        return None
+    stacked = call(ctx, flat.args[0], "stack")
+    dim = stacked.arg(1, "dim") if stacked is not None and stacked.args else None
+    if dim is None or not is_const(dim, -1.0):
+        return None
+    parts = follow(ctx, stacked.args[0])
+    if parts.kind != "tuple" or len(parts.args) != 2:
+        return None
+    neg = call(ctx, parts.args[0], "neg")
+    return _pairs_of(ctx, parts.args[1], neg.args[0]) if neg is not None else None
+
+
+@pattern
 def rotate_half_inline(ctx: Ctx, e: Expr) -> Expr | None:
-    """``torch.cat((-x2, x1), dim=-1)`` where x1, x2 are the halves of x -> x."""
+    """``torch.cat((-x2, x1), dim=-1)`` where x1, x2 are the halves of x -> x; or its interleaved form
+    ``torch.stack((-x2, x1), dim=-1).flatten(-2)`` over the even and odd entries."""
+    every_two = rotate_every_two(ctx, e)
+    if every_two is not None:
+        return every_two
     cat = call(ctx, e, "cat", "concat", "concatenate")
     if cat is None or not cat.args:
         return None

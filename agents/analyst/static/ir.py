@@ -14,12 +14,15 @@ Spelling differences disappear here, so the pattern matchers stay short:
 
 from __future__ import annotations
 
+import re
 from typing import Iterator
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from .model import Binding, Expr, FileModel, Scope, StaticScanError, Stmt
+
+_CODE = cst.Module([])
 
 # Names that refer to modules when no import says otherwise (for code snippets without imports).
 DEFAULT_MODULE_ALIASES = frozenset({"torch", "math", "F", "nn", "np", "numpy", "torch_npu"})
@@ -83,6 +86,21 @@ def _has_modulo(node: cst.CSTNode) -> bool:
     if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Modulo):
         return True
     return any(_has_modulo(c) for c in node.children)
+
+
+_OPTIMIZER_STEP = re.compile(r"\b\w*(opt|scaler)\w*\s*\.\s*step\s*\(", re.IGNORECASE)
+
+
+def _periodic_test(node: cst.If) -> bool:
+    """``if step % N == 0:`` (logging every N steps), but not the ``if`` of gradient accumulation.
+
+    A ``%`` test whose own body steps the optimizer (``if (i + 1) % accum == 0: opt.step()``) runs
+    once per optimizer step: what it holds is the training step, not periodic extras.
+    """
+    if not _has_modulo(node.test):
+        return False
+    own = [s for s in node.body.body if not isinstance(s, cst.If)]
+    return not any(_OPTIMIZER_STEP.search(_CODE.code_for_node(s)) for s in own)
 
 
 def _import_module_name(node: cst.ImportFrom) -> str:
@@ -173,7 +191,7 @@ class _Builder:
             env.pop(node.name.value, None)
         elif isinstance(node, cst.If):
             self.root(node.test, env, self._stmt(node.test, scope, loops, periodic))
-            inner = periodic or _has_modulo(node.test)
+            inner = periodic or _periodic_test(node)
             self.block(node.body.body, env, scope, loops, inner)
             if isinstance(node.orelse, cst.If):
                 self.statement(node.orelse, env, scope, loops, inner)

@@ -25,8 +25,8 @@ from .match import (
 
 @pattern
 def permute_reshape(ctx: Ctx, e: Expr) -> Found | None:
-    """x.transpose(...).contiguous().view(...) / .permute(...).reshape(...) / .flatten(...): a relayout copy."""
-    shaped = call(ctx, e, "view", "reshape", "flatten")
+    """x.transpose(...).contiguous().view(...) / .permute(...).reshape(...) / .flatten(...) / .view_as(y): a relayout copy."""
+    shaped = call(ctx, e, "view", "reshape", "flatten", "view_as", "reshape_as")
     if shaped is None:
         return None
     x = shaped.args[0]

@@ -4,12 +4,17 @@ Each rule is reported only for targets whose gains list it (targets.GAINS):
 
 - ``library_attention``: SDPA (noting transposed BNSD inputs, causal / mask), flash-attn's
   ``flash_attn_func`` / ``flash_attn_varlen_func``, ``varlen_attn``, ``flex_attention`` (also when
-  compiled into another name such as ``compiled_flex_attn``). Inference-only KV-cache calls
+  compiled into another name such as ``compiled_flex_attn``), xformers' ``memory_efficient_attention``
+  (BSND; a block-diagonal mask packs sequences: TND). Inference-only KV-cache calls
   (``flash_attn_with_kvcache``) are left out.
+- ``library_rope``: flash-attn's rotary (``flash_attn.layers.rotary.RotaryEmbedding`` called as a
+  submodule, ``apply_rotary_emb`` / ``apply_rotary_emb_func``): a CUDA kernel with no NPU build ->
+  ``npu_rotary_mul``.
 - ``library_rmsnorm``: ``F.rms_norm`` calls, ``nn.RMSNorm(...)`` constructions and classes
   deriving from ``nn.RMSNorm``.
 - ``fp32_logits_loss``: ``F.cross_entropy`` whose input is an fp32 upcast (``.float()``,
-  ``.to(torch.float32)``), through views, slicing and pointwise ops (a soft-cap on the way).
+  ``.to(torch.float32)``), through views, slicing, pointwise ops (a soft-cap on the way) and either branch
+  of a conditional expression (an upcast for evaluation only).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from .model import Expr, FileModel, Scope, Stmt
 _FLEX = re.compile(r"(^|_)flex_attn$|flex_attention$")
 _FLASH = frozenset({"flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func",
                     "flash_attn_varlen_qkvpacked_func", "varlen_attn"})
+_XFORMERS = frozenset({"memory_efficient_attention", "memory_efficient_attention_forward"})
+_FLASH_ROTARY = frozenset({"apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary_emb_qkv_", "apply_rotary_emb_kv_"})
 _TRANSPOSES = frozenset({"transpose", "permute", "swapaxes", "swapdims", "movedim"})
 _RMSNORM_CLASSES = frozenset({"nn.RMSNorm", "torch.nn.RMSNorm"})
 _VIEWS = frozenset({"view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze", "view_as", "reshape_as"})
@@ -41,7 +48,7 @@ def _calls(files: Iterable[FileModel]) -> Iterable[tuple[FileModel, Scope, Expr]
                 yield file, scope, c
 
 
-_LIBRARIES = ("torch", "flash_attn", "torch_npu")
+_LIBRARIES = ("torch", "flash_attn", "torch_npu", "xformers")
 
 
 def library_name(file: FileModel, c: Expr) -> str:
@@ -114,6 +121,32 @@ def _attention_fn(name: str) -> bool:
     return name == "scaled_dot_product_attention" or name in _FLASH or bool(_FLEX.search(name))
 
 
+def _xformers_call(file: FileModel, c: Expr) -> bool:
+    """``memory_efficient_attention(...)`` from xformers: imported by name, or through a module alias (``xops.``)."""
+    if c.op not in _XFORMERS or c.op in file.functions:
+        return False
+
+    def from_xformers(alias: str) -> bool:
+        source = file.imports.get(alias, ("", ""))[0]
+        return source.split(".")[0] == "xformers" or alias in ("xformers", "xops")
+
+    if not c.method:
+        return from_xformers(c.op if c.callee == c.op else (c.callee or "").split(".")[0])
+    receiver = peek(c.args[0])  # from xformers import ops as xo; xo.memory_efficient_attention(...)
+    return receiver.kind == "name" and receiver.binding is None and from_xformers(receiver.op)
+
+
+def _xformers_note(c: Expr) -> str:
+    mask = c.arg(3, "attn_bias")
+    parts = ["xformers memory_efficient_attention (BSND, no NPU build) -> npu_fusion_attention(input_layout='BSND')"]
+    if mask is not None:
+        parts.append("an attn_bias: a causal LowerTriangularMask is sparse_mode=2/3; a BlockDiagonalMask of packed "
+                     "sequences is input_layout='TND' with actual_seq_qlen / actual_seq_kvlen")
+    parts.append("grouped-query heads expanded before it (repeat_interleave / expand) need no copy: npu_fusion_attention "
+                 "takes fewer key/value heads")
+    return "; ".join(parts)
+
+
 def compiled_aliases(file: FileModel) -> set[str]:
     """Module-level names bound to ``torch.compile(<attention function>)``: ``fast = torch.compile(flex_attention)``."""
     out = set()
@@ -143,6 +176,8 @@ def library_attention(files: list[FileModel]) -> list[Match]:
             note = _sdpa_note(c)
         elif name in _FLASH:
             note = _flash_note(c, name)
+        elif _xformers_call(file, c):
+            note = _xformers_note(c)
         elif _FLEX.search(name) and c.op not in file.functions:
             note = ("flex_attention with a block mask: causal and sliding-window masks map to npu_fusion_attention "
                     "(sparse_mode 2/3/4, pre_tockens for the window); document masks need TND or an explicit mask")
@@ -187,6 +222,32 @@ def library_rmsnorm(files: list[FileModel]) -> list[Match]:
     return out
 
 
+def _flash_rotary(file: FileModel, c: Expr) -> bool:
+    """A call of flash-attn's rotary: its function, or a submodule built from its RotaryEmbedding class."""
+    if c.method:
+        return False
+    if c.op.startswith("self."):
+        cls = c.stmt.scope.class_name
+        value = file.module_attrs.get((cls, c.op[5:])) if cls else None
+        built = peek(value) if value is not None else None
+        if built is None or built.kind != "call" or built.method:
+            return False
+        source, name = file.imports.get(built.op, ("", ""))
+        return source.split(".")[0] == "flash_attn" and name == "RotaryEmbedding"
+    source, name = file.imports.get(c.op, ("", "")) if c.callee == c.op else ("", "")
+    return source.split(".")[0] == "flash_attn" and name in _FLASH_ROTARY and c.op not in file.functions
+
+
+def library_rope(files: list[FileModel]) -> list[Match]:
+    out = []
+    for file, _, c in _calls(files):
+        if _flash_rotary(file, c):
+            note = ("flash-attn's rotary kernel (CUDA only): npu_rotary_mul(x, cos, sin) with the same layout "
+                    "('interleave' when the module was built with interleaved=True, else 'half')")
+            out.append(_helper_match(IntentCategory.rope, file, c, Found(0.5, note)))
+    return out
+
+
 def _fp32_cast(x: Expr) -> bool:
     if x.kind != "call" or not x.method:
         return False
@@ -210,9 +271,12 @@ def _upcast_feeding(e: Expr, seen: list[Stmt], depth: int = 0) -> Expr | None:
         return x
     if x.kind == "subscript" and x.args:
         return _upcast_feeding(x.args[0], seen, depth + 1)
-    if x.kind == "call" and (x.op in _VIEWS or x.op in _POINTWISE) and x.args:
-        for a in x.args:
-            if peek(a).kind in ("name", "call", "subscript"):
+    # `logits.float() if not self.training else logits` (Modded-NanoGPT records 38 on): either branch's cast counts
+    branches = x.args[1:] if x.kind == "other" and x.op == "IfExp" else ()
+    if (x.kind == "call" and (x.op in _VIEWS or x.op in _POINTWISE) and x.args) or branches:
+        for a in branches or x.args:
+            seen_as = peek(a)
+            if seen_as.kind in ("name", "call", "subscript") or (seen_as.kind == "other" and seen_as.op == "IfExp"):
                 branch: list[Stmt] = []
                 found = _upcast_feeding(a, branch, depth + 1)
                 if found is not None:
@@ -242,5 +306,6 @@ def fp32_logits_loss(files: list[FileModel]) -> list[Match]:
 TARGET_RULES: tuple[tuple[str, Callable[[list[FileModel]], list[Match]]], ...] = (
     ("library_attention", library_attention),
     ("library_rmsnorm", library_rmsnorm),
+    ("library_rope", library_rope),
     ("fp32_logits_loss", fp32_logits_loss),
 )

@@ -45,12 +45,16 @@ class Ctx:
     core: list[Expr] = field(default_factory=list)
     defs: list[Stmt] = field(default_factory=list)
     helpers: list[Helper] = field(default_factory=list)
+    # a library file's scan (agents/analyst/library_scan.py): an activation chosen by configuration (transformers'
+    # `ACT2FN[config.hidden_act]`) is accepted for any kind and recorded here; which one ran in the step decides there
+    configured_activations: bool = False
+    configured: list[Expr] = field(default_factory=list)
 
-    def mark(self) -> tuple[int, int, int]:
-        return len(self.core), len(self.defs), len(self.helpers)
+    def mark(self) -> tuple[int, int, int, int]:
+        return len(self.core), len(self.defs), len(self.helpers), len(self.configured)
 
-    def rollback(self, mark: tuple[int, int, int]) -> None:
-        del self.core[mark[0] :], self.defs[mark[1] :], self.helpers[mark[2] :]
+    def rollback(self, mark: tuple[int, int, int, int]) -> None:
+        del self.core[mark[0] :], self.defs[mark[1] :], self.helpers[mark[2] :], self.configured[mark[3] :]
 
 
 def pattern(fn: Callable) -> Callable:
@@ -356,6 +360,7 @@ class Match:
     sites: list[tuple[FileModel, Expr]] = field(default_factory=list)  # all places reported (conv layers)
     mergeable: bool = False  # one rewrite may cover neighbours of the same kind (rotary for q, then k)
     whole_function: bool = False  # span the function when it exists only for this op (helpers.is_whole_function)
+    fallback: bool = False  # a pattern of last resort: dropped when it shares any operation with another match
 
     @classmethod
     def from_ctx(cls, category: str, ctx: Ctx, root: Expr, found: Found, priority: int) -> "Match":

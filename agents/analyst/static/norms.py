@@ -114,6 +114,14 @@ def _variance_of(ctx: Ctx, v: Expr, x: Expr) -> str | None:
 
 
 @pattern
+def _std_of(ctx: Ctx, s: Expr, x: Expr) -> str | None:
+    """``s`` is ``x.std(dim) + eps`` (or the std alone): a LayerNorm whose eps is added to the std."""
+    eps = plus_eps(ctx, s)
+    std = reduce_of(ctx, eps[0], "std") if eps is not None else None
+    return "std" if std is not None and same(std.args[0], x) else None
+
+
+@pattern
 def _layernorm_product(ctx: Ctx, e: Expr, bias: bool = False) -> Found | None:
     fs = factors(ctx, e)
     for i, (c, p) in enumerate(fs):
@@ -126,6 +134,8 @@ def _layernorm_product(ctx: Ctx, e: Expr, bias: bool = False) -> Found | None:
             inner = sqrt_of(ctx, s) if q == -1 else rsqrt_of(ctx, s)
             eps = plus_eps(ctx, inner) if inner is not None else None
             kind = _variance_of(ctx, eps[0], x) if eps is not None else None
+            if kind is None and q == -1:
+                kind = _std_of(ctx, s, x)
             if kind is None:
                 continue
             weighted = len(tensor_factors(others(fs, {i, j}))) > 0
@@ -133,6 +143,9 @@ def _layernorm_product(ctx: Ctx, e: Expr, bias: bool = False) -> Found | None:
             note += " + bias" if bias else ""
             if kind == "unbiased":
                 return Found(0.4, note + "; uses the unbiased variance, which F.layer_norm does not")
+            if kind == "std":
+                return Found(0.4, note.replace("sqrt(var + eps)", "(std + eps)") + "; the (unbiased) std plus eps "
+                              "is close to, not exactly, F.layer_norm's sqrt(var + eps)")
             return Found(0.6, note)
         return None
     return None

@@ -16,11 +16,12 @@ from trainbridge.records import IntentCategory
 
 from .activations import gelu, gelu_shape, geglu, rope, silu, silu_form, swiglu
 from .attention import attention, cross_entropy, softmax
-from .chains import blend, relu_squared, scale_and_shift, soft_cap
-from .forms import activation_of, rotate_half_inline
+from .chains import blend, matmul_blend, relu_squared, scale_and_shift, soft_cap
+from .forms import activation_of, rotate_every_two, rotate_half_inline
 from .layout import permute_reshape, redundant_cast
 from .match import Ctx, Expr, Found, Helper, RepoIndex, is_param
 from .norms import layernorm, normalize, rmsnorm
+from .pointwise import pointwise_chain
 from .rotary import rope_rotation
 
 
@@ -29,7 +30,7 @@ def classify_helper(index: RepoIndex, helper: Helper) -> str | None:
 
     'silu' / 'gelu' for the activation written out or a wrapper of the library one
     (``return F.silu(x)``), 'quick_gelu' for x * sigmoid(1.702 x), 'rotate_half' for the
-    cat((-x2, x1)) form.
+    cat((-x2, x1)) form, 'rotate_every_two' for its interleaved stack((-x2, x1), -1).flatten(-2).
     """
     if not helper.scope.returns:
         return None
@@ -40,6 +41,7 @@ def classify_helper(index: RepoIndex, helper: Helper) -> str | None:
         ("gelu", gelu_shape),
         ("quick_gelu", gelu_shape),
         ("gelu", lambda c, e: activation_of(c, e, "gelu")),
+        ("rotate_every_two", rotate_every_two),
         ("rotate_half", rotate_half_inline),
     )
     for kind, check in checks:
@@ -59,6 +61,7 @@ class ExprPattern:
     match: Callable[[Ctx, Expr], Found | None]
     gain: str | None = None  # reported only for targets listing this gain (targets.GAINS); None: always
     whole_function: bool = False  # span a helper that exists only for this op as a whole (helpers.py)
+    fallback: bool = False  # of last resort: dropped where any other match shares an operation (resolve.py)
 
 
 # Order matters only when two patterns match at the same expression: the earlier one wins.
@@ -81,4 +84,6 @@ EXPRESSION_PATTERNS: tuple[ExprPattern, ...] = (
     ExprPattern(IntentCategory.elementwise_chain, soft_cap, gain="elementwise_chain", whole_function=True),
     ExprPattern(IntentCategory.elementwise_chain, scale_and_shift, gain="elementwise_chain", whole_function=True),
     ExprPattern(IntentCategory.elementwise_chain, blend, gain="elementwise_chain", whole_function=True),
+    ExprPattern(IntentCategory.elementwise_chain, matmul_blend, gain="elementwise_chain"),
+    ExprPattern(IntentCategory.elementwise_chain, pointwise_chain, gain="elementwise_chain", fallback=True),
 )

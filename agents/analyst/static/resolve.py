@@ -2,7 +2,8 @@
 
 - A match whose root operation another match consumed is nested in it (the division of an
   RMSNorm inside a LayerNorm, the softmax inside an attention) and is dropped; at the same root
-  the earlier pattern of the registry wins.
+  the earlier pattern of the registry wins. A fallback match (the generic pointwise chain) comes
+  after all others and is dropped when it shares any operation with a kept match.
 - A match that looked into a helper function (the SwiGLU calling ``def silu(x): return x *
   torch.sigmoid(x)``, the rotary calling ``rotate_half``) lists the helper's lines as a further
   span. The helper's own pattern, if any, stays an intent of its own: it is a separate rewrite site.
@@ -26,8 +27,8 @@ from .match import Match
 def drop_nested(matches: list[Match]) -> list[Match]:
     kept: list[Match] = []
     consumed: set[int] = set()
-    for m in sorted(matches, key=lambda m: (-len(m.core), m.priority, m.start)):
-        if id(m.root.node) in consumed:
+    for m in sorted(matches, key=lambda m: (m.fallback, -len(m.core), m.priority, m.start)):
+        if id(m.root.node) in consumed or (m.fallback and m.core & consumed):
             continue
         kept.append(m)
         consumed |= m.core

@@ -9,7 +9,8 @@
 two output halves in either order (the same permutation of q and k leaves q.k unchanged): the
 rotate-half convention of ``npu_rotary_mul(x, cos, sin, 'half')`` up to the sign of the angle.
 Interleaved halves (``x[..., ::2]``, ``x[..., 1::2]``) joined by ``torch.stack`` are the pairwise
-convention ('interleave').
+convention ('interleave'), as are the two entries of a trailing pair axis (``xs = x.reshape(...,
+-1, 2)``; ``xs[..., 0]``, ``xs[..., 1]``), whatever the coefficients are indexed the same way.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ def _pair_of(ctx: Ctx, first: Expr, second: Expr) -> Expr | None:
     a, b = follow(ctx, first), follow(ctx, second)
     if a.kind != "subscript" or b.kind != "subscript" or not a.value or not b.value or not same(a.args[0], b.args[0]):
         return None
-    if a.value[-1][0] != "slice" or b.value[-1][0] != "slice":  # x[..., 0] is an index: ("index", value)
+    if a.value[-1][0] == b.value[-1][0] == "index":  # x[..., 0], x[..., 1]: the pairs of a (..., d/2, 2) view
+        if len(a.value) == len(b.value) and is_const(a.value[-1][1], 0.0) and is_const(b.value[-1][1], 1.0):
+            ctx.core += [a, b]
+            return a.args[0]
+        return None
+    if a.value[-1][0] != "slice" or b.value[-1][0] != "slice":
         return None
     (_, lo_a, hi_a, st_a), (_, lo_b, hi_b, st_b) = a.value[-1], b.value[-1]
     if hi_a is not None or hi_b is not None:

@@ -1,13 +1,11 @@
-"""Program-level rules of the static scan: the optimizer, gradient zeroing, host syncs, conv layout.
+"""Program-level rules of the static scan: the optimizer, gradient zeroing, host syncs (``syncs``), conv layout.
 
-Unlike the expression patterns these look at calls in their context: is the call inside a
-training step (a function that calls ``.backward()`` or ``optimizer.step()``) or a training loop,
-and does the repository use ``channels_last`` anywhere.
+Unlike the expression patterns these look at calls in their context: how an optimizer is built,
+where gradients are zeroed, and does the repository use ``channels_last`` anywhere.
 """
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from typing import Callable, Iterable
 
@@ -15,13 +13,11 @@ from trainbridge.records import IntentCategory
 
 from .model import Expr, FileModel, Scope
 from .match import Found, Match, peek, peel
+from .syncs import host_syncs
 
 OPTIMIZERS = frozenset(
     {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam", "ASGD"}
 )
-HOST_SYNC_OPS = frozenset({"item", "cpu", "tolist"})
-_STEP_NAME = re.compile(r"(^|_)(train|training)_?step$|^step_fn$|^train_one_(step|batch)$")
-_MODULE_LIKE = re.compile(r"model|net|module", re.IGNORECASE)
 
 
 def _false(e: Expr | None) -> bool:
@@ -33,27 +29,6 @@ def _calls(files: Iterable[FileModel]) -> Iterable[tuple[FileModel, Scope, Expr]
         for scope in file.scopes:
             for c in scope.calls:
                 yield file, scope, c
-
-
-def _optimizer_step_called(ops: set[str]) -> bool:
-    return any(o.endswith(".step") and "opt" in o.rsplit(".", 1)[0].lower() for o in ops)
-
-
-def step_function_names(files: Iterable[FileModel]) -> set[str]:
-    """Names of functions that run one training step (call backward or optimizer.step)."""
-    names = set()
-    for file in files:
-        for scope in file.scopes:
-            if scope.qualname and is_step_scope(scope):
-                names.add(scope.qualname.rsplit(".", 1)[-1])
-    return names
-
-
-def is_step_scope(scope: Scope) -> bool:
-    if scope.qualname is None:
-        return False
-    name = scope.qualname.rsplit(".", 1)[-1]
-    return "backward" in scope.ops or _optimizer_step_called(scope.ops) or bool(_STEP_NAME.search(name))
 
 
 def optimizer_rules(files: list[FileModel]) -> list[Match]:
@@ -134,68 +109,6 @@ def zero_grad_rules(files: list[FileModel]) -> list[Match]:
             if grad.kind == "attr" and grad.op == "grad":
                 note = "gradients zeroed one tensor at a time (p.grad.zero_()); optimizer.zero_grad() sets them to None"
                 out.append(Match.at_call(IntentCategory.zero_grad, file, c, Found(0.4, note)))
-    return out
-
-
-def host_syncs(files: list[FileModel]) -> list[Match]:
-    """.item() / .cpu() / .tolist() in a training step or training loop, once per step.
-
-    Not reported: calls in code that runs once (also before or after the training loop of the
-    function that runs it), calls under an ``if`` that uses ``%`` (logging
-    every N steps), and calls in a loop that synchronizes the device itself every iteration
-    (a timing loop: the sync is already paid there, removing the .item() gains nothing; a
-    ``synchronize()`` only under such an ``if``, around a periodic evaluation, does not count).
-    """
-    step_names = step_function_names(files)
-
-    def training(ops: set[str]) -> bool:
-        return "backward" in ops or _optimizer_step_called(ops) or bool(ops & step_names)
-
-    def full_step(ops: set[str]) -> bool:
-        return ("backward" in ops and _optimizer_step_called(ops)) or bool(ops & step_names)
-
-    def outer_loops(scope: Scope) -> set[int]:
-        """Training loops that hold a loop of whole steps (epochs around steps): once per epoch.
-
-        An inner loop of micro-batches (backward, no optimizer step) or over the optimizers
-        (``for opt in optimizers: opt.step()``, no backward) is part of the step: the loop around
-        it runs once per step.
-        """
-        outer = set()
-        for c in scope.calls:
-            chain = c.stmt.loops
-            for i, loop in enumerate(chain):
-                if any(full_step(scope.loop_ops.get(id(inner), set())) for inner in chain[i + 1 :]):
-                    outer.add(id(loop))
-        return outer
-
-    out: list[Match] = []
-    outer: dict[int, set[int]] = {}
-    synced: dict[int, set[int]] = {}  # per scope: loops that synchronize the device every iteration
-    for file, scope, c in _calls(files):
-        if c.op not in HOST_SYNC_OPS or not c.method or c.stmt.periodic:
-            continue
-        receiver = peel(c.args[0])
-        if receiver.kind in ("name", "attr") and _MODULE_LIKE.search(receiver.op):
-            continue
-        loop_ops = [scope.loop_ops.get(id(loop), set()) for loop in c.stmt.loops]
-        if id(scope) not in synced:
-            synced[id(scope)] = {id(loop) for s in scope.calls if s.op == "synchronize" and not s.stmt.periodic
-                                 for loop in s.stmt.loops}
-        if any(id(loop) in synced[id(scope)] for loop in c.stmt.loops):
-            continue
-        steps = [loop for loop, ops in zip(c.stmt.loops, loop_ops) if training(ops)]
-        if id(scope) not in outer:
-            outer[id(scope)] = outer_loops(scope)
-        in_loop = bool(steps) and id(steps[-1]) not in outer[id(scope)]
-        # A function that runs the training loop itself is not a per-step function: outside its
-        # loop, code runs once.
-        drives_loop = any(training(ops) for ops in scope.loop_ops.values())
-        if not in_loop and (drives_loop or not is_step_scope(scope)):
-            continue
-        where = "a training loop" if in_loop else f"the training step {scope.qualname}()"
-        note = f".{c.op}() in {where}: the host waits for the device every step"
-        out.append(Match.at_call(IntentCategory.host_sync, file, c, Found(0.4, note)))
     return out
 
 

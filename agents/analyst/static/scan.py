@@ -113,7 +113,8 @@ def _failed(detector: str, exc: Exception, file: str | None = None, line: int | 
     return failure
 
 
-def _expression_matches(index: RepoIndex, file: FileModel, gains: frozenset[str], failures: list[DetectorFailure]) -> list[Match]:
+def _expression_matches(index: RepoIndex, file: FileModel, gains: frozenset[str], failures: list[DetectorFailure],
+                        configured_activations: bool = False) -> list[Match]:
     """Every expression pattern at every call of `file`; a pattern that raises loses that one place (`failures`)."""
     matches = []
     failed: dict[str, tuple[Exception, int, int]] = {}  # per detector: its first exception, line, and how many places
@@ -124,12 +125,13 @@ def _expression_matches(index: RepoIndex, file: FileModel, gains: frozenset[str]
                 if expr.kind != "call":  # every operation is a call; names are followed by the patterns
                     continue
                 for priority, p in patterns:
-                    ctx = Ctx(index, file, scope)
+                    ctx = Ctx(index, file, scope, configured_activations=configured_activations)
                     try:
                         found = p.match(ctx, expr)
                         if found:
                             match = Match.from_ctx(p.category, ctx, expr, found, priority)
                             match.whole_function = p.whole_function
+                            match.fallback = getattr(p, "fallback", False)
                             matches.append(match)
                     except Exception as exc:  # unseen code: one pattern at one place, never the whole scan
                         failed[str(p.category)] = failed.get(str(p.category)) or (exc, expr.start, 0)
@@ -148,15 +150,17 @@ def _rule_matches(rule, models: list[FileModel], failures: list[DetectorFailure]
         return []
 
 
-def scan_models_result(files: dict[str, FileModel], target: str | None = None) -> tuple[list[Intent], list[DetectorFailure]]:
-    """`scan_models`, with the detectors that raised (each loses its own findings at that place only)."""
+def scan_models_result(files: dict[str, FileModel], target: str | None = None, *,
+                       configured_activations: bool = False) -> tuple[list[Intent], list[DetectorFailure]]:
+    """`scan_models`, with the detectors that raised (each loses its own findings at that place only).
+    `configured_activations`: a library's scan, where an activation chosen by configuration matches any kind."""
     gains = gains_for(target)
     index = RepoIndex(files, classify_helper)
     models = list(files.values())
     matches: list[Match] = []
     failures: list[DetectorFailure] = []
     for file in models:
-        matches += _expression_matches(index, file, gains, failures)
+        matches += _expression_matches(index, file, gains, failures, configured_activations)
     for rule in PROGRAM_RULES + LOOP_RULES:
         matches += _rule_matches(rule, models, failures)
     for gain, rule in TARGET_RULES:
@@ -175,13 +179,14 @@ def scan_models(files: dict[str, FileModel], target: str | None = None) -> list[
     return scan_models_result(files, target)[0]
 
 
-def scan_source(code: str, relpath: str, target: str | None = None) -> list[Intent]:
-    """Intents of one file's source. Raises StaticScanError when it does not parse.
+def scan_source(code: str, relpath: str, target: str | None = None, *, library: bool = False) -> list[Intent]:
+    """Intents of one file's source. Raises StaticScanError when it does not parse. `library`: a library file the
+    step ran (agents/analyst/library_scan.py), whose configured activations (`ACT2FN[...]`) match any kind there.
 
     Rules that look at the whole repository (conv_layout's "channels_last anywhere", helper
     functions imported from other files) see only this file.
     """
-    return scan_models({relpath: build_file_model(code, relpath)}, target)
+    return scan_models_result({relpath: build_file_model(code, relpath)}, target, configured_activations=library)[0]
 
 
 def _discover(root: Path) -> list[Path]:

@@ -9,8 +9,10 @@ targets that list it.
 
 - ``library_attention``: ``F.scaled_dot_product_attention`` on transposed BNSD views,
   ``flash_attn_func`` / ``flash_attn_varlen_func`` / ``varlen_attn``, ``flex_attention`` with a
-  block mask -> ``npu_fusion_attention`` (BSND without the transposes, sparse_mode 2/3, TND).
+  block mask, xformers' ``memory_efficient_attention`` -> ``npu_fusion_attention`` (BSND without the transposes, sparse_mode 2/3, TND).
   On CUDA these already are flash kernels; on the CPU there is nothing faster.
+- ``library_rope``: flash-attn's rotary kernel (its ``RotaryEmbedding`` module or functions) has no
+  NPU build -> ``npu_rotary_mul``. On CUDA it is already one kernel.
 - ``library_rmsnorm``: ``F.rms_norm`` / ``nn.RMSNorm`` decompose into pow/mean/rsqrt/mul in NPU
   eager -> ``npu_rms_norm``. Fused on CUDA; the CPU build has no fused kernel either way
   (reference/README.md: same ops as the manual form).
@@ -26,7 +28,7 @@ targets that list it.
 from __future__ import annotations
 
 GAINS: dict[str, frozenset[str]] = {
-    "npu": frozenset({"library_attention", "library_rmsnorm", "fp32_logits_loss", "elementwise_chain"}),
+    "npu": frozenset({"library_attention", "library_rmsnorm", "library_rope", "fp32_logits_loss", "elementwise_chain"}),
     "cuda": frozenset({"elementwise_chain"}),
     "cpu": frozenset(),
 }
