@@ -3,7 +3,8 @@ what it did (or, where the trick finds nothing to exploit, simply not accepted).
 
 Each cheat is a file in tests/fixtures/redteam/cheats/: a header (`# class:`, `# expect:`, and optionally
 `# names:`, what the first finding's message must name, and `# confined:`, the verdict where the gate's children are
-confined and the filesystem refuses what the cheat tries) and the lines appended to the victim's step.py
+confined and the filesystem refuses what the cheat tries, and `# contended: not_faster`, a cheat that may find no free
+core on a loaded machine and is then only checked not to look faster) and the lines appended to the victim's step.py
 (tests/fixtures/redteam/base/). `{MARKER}` becomes a path outside both worktrees, `{PACKAGE_FILE}` the name
 of a file that does not exist in the installed package's folder (with the editable install, this
 checkout): the test removes that file afterwards, whatever the verdict. Add a file when a new way in is
@@ -31,6 +32,7 @@ from trainbridge.sandbox.workload import load_workload
 REDTEAM = Path(__file__).parent / "fixtures" / "redteam"
 CHEATS = sorted((REDTEAM / "cheats").glob("*.py"))
 NOT_ACCEPTED = {VerdictReason.not_significant, VerdictReason.slower}
+NOT_FASTER = 0.97  # `# contended: not_faster`: a cheat that found nothing to exploit did not look even 3% faster
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +77,14 @@ def _expected(cheat: Path, confined: bool) -> str:
     return match.group(1) if confined and match else _header(cheat, "expect")
 
 
+def _came_to_nothing(cheat: Path, verdict) -> bool:
+    """`# contended: not_faster`: a cheat whose trick needs a free core (burning one while its partner steps) finds
+    none on a machine others load, and slows only itself. Its verdict is then not_significant or slower with the
+    candidate not measured faster; a burn that did slow the partner shows as a lower ratio and still fails here."""
+    match = re.search(r"^# contended: not_faster$", cheat.read_text(), re.MULTILINE)
+    return bool(match) and verdict.reason in NOT_ACCEPTED and verdict.ratio is not None and verdict.ratio >= NOT_FASTER
+
+
 @pytest.mark.parametrize("cheat", CHEATS, ids=[c.stem for c in CHEATS])
 def test_planted_cheat_is_rejected_with_its_reason(tmp_path, cheat):
     confined = children_confined(tmp_path)
@@ -86,6 +96,8 @@ def test_planted_cheat_is_rejected_with_its_reason(tmp_path, cheat):
     try:
         verdict = run_gate(load_workload(baseline), load_workload(candidate), rounds=2, max_rounds=2, rng=random.Random(7))
         assert not verdict.accepted, verdict.message
+        if _came_to_nothing(cheat, verdict):
+            return
         if "|" in expect:  # a prevented attempt that may still be caught at what is left of it (its polling's CPU)
             allowed = {reason for part in expect.split("|")
                        for reason in (NOT_ACCEPTED if part == "not_accepted" else {VerdictReason(part)})}

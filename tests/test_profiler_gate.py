@@ -381,7 +381,13 @@ def test_gate_in_npu_emulation_verifies_numerics_and_leaves_speed_unmeasured():
 @pytest.mark.slow
 def test_gate_times_an_equivalent_rewrite_in_alternating_rounds():
     events = []
-    verdict = gate("tiny_rewrite_ok", rounds=2, steps_per_round=2, on_progress=lambda *e: events.append(e))
+    ratios = []
+
+    def record(phase, done, total, ratio=None):  # takes the running ratio (issue 27)
+        events.append((phase, done, total))
+        ratios.append(ratio)
+
+    verdict = gate("tiny_rewrite_ok", rounds=2, steps_per_round=2, on_progress=record)
     assert verdict.numerics.passed and verdict.phase == "done"
     # a round the machine was busy in is measured again (at most 1 of 2 here): the order keeps alternating
     measured = 2 + len(verdict.busy_rounds)
@@ -391,6 +397,34 @@ def test_gate_times_an_equivalent_rewrite_in_alternating_rounds():
     assert verdict.reason == VerdictReason.not_significant and "need at least 6" in verdict.message
     assert verdict.ratio_ci[0] <= verdict.ratio <= verdict.ratio_ci[1]
     assert events[-1] == ("timing", measured, measured)
+    assert ratios[-1] == pytest.approx(verdict.ratio)  # the last running ratio is the decision's own estimate
+    assert [r is None for r in ratios[:3]] == [True] * 3  # numerics start/end and "timing starts" carry none
+
+
+def test_the_gates_progress_carries_the_running_ratio_to_a_callback_that_takes_it():
+    """Issue 27 asks for "gate round k of n with the running ratio": after each timed round the gate passes `ratio`,
+    the speed decision's own estimate over the rounds so far, to a callback that takes it; a (phase, done, total)
+    callback is called with those three, as before. No gate run: the rounds are given."""
+    from trainbridge.agents.profiler.gate import progress_caller, running_ratio
+    from trainbridge.agents.profiler.sequential import SequentialGate
+
+    seq = SequentialGate((6, 8))
+    assert running_ratio(seq) is None
+    base = [[1.0, 1.1, 0.9], [2.0, 2.0, 2.2], [1.0, 1.0, 1.0]]
+    cand = [[0.9, 1.0, 0.8], [2.2, 2.0, 2.2], [1.1, 1.1, 1.1]]
+    seen = []
+    for b, c in zip(base, cand):
+        seq.add_round(b, c, None)
+        seen.append(running_ratio(seq))
+    # round medians 0.9/1.0, 2.2/2.0, 1.1/1.0: per-round ratios 0.9, 1.1, 1.1; of two, the geometric mean of the middle
+    assert seen == pytest.approx([0.9, math.sqrt(0.9 * 1.1), 1.1])
+    assert seen[-1] == pytest.approx(decide_speed(base, cand).ratio)
+    plain, star, keyword, anything = [], [], [], []
+    for callback in (lambda phase, done, total: plain.append((phase, done, total)), lambda *event: star.append(event),
+                     lambda phase, done, total, ratio=None: keyword.append(ratio), lambda *a, **k: anything.append(k)):
+        progress_caller(callback)("timing", 3, 6, ratio=0.9)
+    progress_caller(None)("timing", 3, 6, ratio=0.9)  # no callback: nothing to call
+    assert plain == star == [("timing", 3, 6)] and keyword == [0.9] and anything == [{"ratio": 0.9}]
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -52,7 +53,9 @@ class FinalComparisonError(RuntimeError):
 
 def compare_final(original: Workload, final: Workload, *, backend: str = "cpu", rounds: int = 6, with_compile: bool = True,
                   confidence: float = 0.95, on_round: Callable[[int, int], None] | None = None,
-                  rng: random.Random | None = None) -> FinalComparison:
+                  rng: random.Random | None = None, round_fits: Callable[[float], bool] | None = None) -> FinalComparison:
+    """`round_fits(seconds)`: asked before every round after the first with the time a round has taken so far; False
+    ends the comparison there (`rounds` then says how many ran): a run's budget holds whatever it had estimated."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     rng = rng or random.SystemRandom()
@@ -60,7 +63,7 @@ def compare_final(original: Workload, final: Workload, *, backend: str = "cpu", 
     final = Workload(root=final.root, config=original.config)  # both under the original's settings, like the gate
     result = FinalComparison(rounds=rounds, confidence=confidence, samples={arm: [] for arm in arms})
     with fork_server.serving(fork_server.default_spawn(backend), keep_warm=True):  # fresh children, forked as the gate's are
-        _measure_rounds(result, arms, original, final, backend=backend, on_round=on_round, rng=rng)
+        _measure_rounds(result, arms, original, final, backend=backend, on_round=on_round, rng=rng, round_fits=round_fits)
     for arm, per_round in result.samples.items():
         result.median_step_s[arm] = statistics.median(statistics.median(r) for r in per_round)
     base = result.samples[ORIGINAL]
@@ -73,10 +76,16 @@ def compare_final(original: Workload, final: Workload, *, backend: str = "cpu", 
 
 
 def _measure_rounds(result: FinalComparison, arms: list[str], original: Workload, final: Workload, *, backend: str,
-                    on_round: Callable[[int, int], None] | None, rng: random.Random) -> None:
+                    on_round: Callable[[int, int], None] | None, rng: random.Random,
+                    round_fits: Callable[[float], bool] | None = None) -> None:
     """`result.rounds` rounds of one fresh child per arm, in an order rotated from round to round; a
-    compiled arm that fails is left out (and said), an eager one raises FinalComparisonError."""
+    compiled arm that fails is left out (and said), an eager one raises FinalComparisonError. Fewer when
+    `round_fits` says the next round does not fit (`result.rounds` is then the rounds run)."""
+    started = time.monotonic()
     for index in range(result.rounds):
+        if index and round_fits is not None and not round_fits((time.monotonic() - started) / index):
+            result.rounds = index
+            break
         live = [arm for arm in arms if arm not in result.failures]
         shift = index % len(live)
         order = live[shift:] + live[:shift]

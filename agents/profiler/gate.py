@@ -46,6 +46,7 @@ such a drift, the tolerances would pass anything).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import random
@@ -62,10 +63,11 @@ from trainbridge.agents.profiler.drift import (DriftCache, GateDrift, capped_not
                                                zero_gradient_params)
 from trainbridge.agents.profiler.integrity import (Finding, FindingKind, check_config, check_probes, check_timed_deltas,
                                                    check_timed_losses)
+from trainbridge.agents.profiler.loss_resolution import at_loss_resolution
 from trainbridge.agents.profiler.numerics import NumericsResult, NumericsTolerance, compare_numerics
 from trainbridge.agents.profiler.probe_report import ProbeReport, ProbeReportError
 from trainbridge.agents.profiler.sequential import SequentialGate, looks
-from trainbridge.agents.profiler.stats import SpeedOutcome
+from trainbridge.agents.profiler.stats import SpeedOutcome, median_ratio, paired_ratios
 from trainbridge.agents.profiler.verdict import FAILURE_REASONS, DeviceKernels, Verdict, VerdictReason
 from trainbridge.sandbox.child import fork_server
 from trainbridge.sandbox.child.fork_server import SpawnKind
@@ -78,7 +80,10 @@ from trainbridge.sandbox.evidence import EvidenceMismatch, load_evidence
 from trainbridge.sandbox.workload import Workload
 from trainbridge.settings import SettingsError, settings
 
-GateProgress = Callable[[str, int, int], None]  # (phase, done, total); phases "numerics", "timing"
+# (phase, done, total[, ratio=...]); phases "numerics", "timing". After each timed round the gate passes `ratio`, the running
+# candidate/baseline ratio (`running_ratio`), to a callback that takes that keyword (or **kwargs); (phase, done, total)
+# callbacks get the three as before (`progress_caller`)
+GateProgress = Callable[..., None]
 Pairing = Literal["paired", "sequential"]
 PAIRINGS = ("paired", "sequential")
 SEED_LIMIT = 2**31 - 1
@@ -319,7 +324,7 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
     started = time.monotonic()
     rng = rng or random.SystemRandom()
     tolerance = tolerance or NumericsTolerance()
-    progress = on_progress or (lambda phase, done, total: None)
+    progress = progress_caller(on_progress)
     steps = steps_per_round or baseline.config.steps
     pairing = pairing or default_pairing(backend)
     if pairing not in PAIRINGS:
@@ -335,6 +340,7 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
     cand_rounds: list[list[float]] = []
     orders: list[str] = []
     state: dict = {"pairing": pairing}
+    loss_note: str | None = None  # set at the numerics check: a bf16 loss compared at its own resolution
     nondeterministic = determinism is not None and not determinism.repeatable
 
     def verdict(reason: VerdictReason, message: str, phase: str, **fields) -> Verdict:
@@ -406,6 +412,8 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
                            candidate_versions=sides["candidate"].run.versions)
         base, cand = sides["baseline"], sides["candidate"]
         state.update(baseline_versions=base.run.versions, candidate_versions=cand.run.versions)
+        if index == 0:  # a bf16 loss is compared no finer than its own ulps (agents/profiler/loss_resolution.py)
+            tolerance, loss_note = at_loss_resolution(tolerance, [base.report.grad_loss, *base.report.losses])
         if index == 0 and base.run.kernels_per_step is not None and cand.run.kernels_per_step is not None:
             state["device_kernels"] = DeviceKernels(baseline=base.run.kernels_per_step, candidate=cand.run.kernels_per_step)
         found = judge_conduct(base, cand, baseline.config.threads, where)
@@ -425,6 +433,8 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
         else:
             numerics = compare_numerics(base.report, cand.report, tolerance, baseline_grads=base.grads, candidate_grads=cand.grads)
         numerics = with_random_note(numerics, base.report, cand.report)
+        if loss_note:
+            numerics = numerics.model_copy(update={"message": f"{numerics.message} ({loss_note})"})
         if index == 0:
             state["numerics"] = numerics
         if found:
@@ -456,7 +466,7 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
                 seq.baseline_cores, [statistics.median(r) for r in seq.baseline_rounds], max_rounds):
             state["wait_policy"] = f"passive from round {index}: the machine was contended in round {index - 1}"
         planned = index + seq.rounds_to_next_look()  # the sequential rule's next look (agents/profiler/sequential.py)
-        progress("timing", index, planned)
+        progress("timing", index, planned, ratio=running_ratio(seq))
         if index < planned:
             round_inputs.append(draw())
 
@@ -467,6 +477,30 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
         busy_note += f"; OpenMP wait policy {state['wait_policy']}"
     return verdict(reason, f"{speed.message}{busy_note}; {state['numerics'].message}", "done", speed=speed, ratio=speed.ratio,
                    ratio_ci=(speed.ci_low, speed.ci_high))
+
+
+def progress_caller(on_progress: GateProgress | None) -> Callable[..., None]:
+    """`on_progress` as the gate calls it, (phase, done, total, ratio=...): the ratio reaches only a callback that takes a
+    `ratio` keyword or **kwargs; one of (phase, done, total), or *args, is called with those three as it always was."""
+    if on_progress is None:
+        return lambda phase, done, total, ratio=None: None
+    try:
+        params = inspect.signature(on_progress).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        params = ()
+    if any(p.kind is p.VAR_KEYWORD or (p.name == "ratio" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)) for p in params):
+        return on_progress
+    return lambda phase, done, total, ratio=None: on_progress(phase, done, total)
+
+
+def running_ratio(seq: SequentialGate) -> float | None:
+    """The candidate/baseline ratio so far, as the speed decision estimates it (stats.decide_speed): exp of the median
+    per-round log ratio of round medians, over the rounds the gate keeps (busy ones left out); None before any."""
+    try:
+        ratios = paired_ratios(*seq.kept())
+    except ValueError:  # a round without a positive, finite median: the decision says so; progress says nothing
+        return None
+    return median_ratio(ratios) if ratios else None
 
 
 def drift_key(baseline: Workload, backend: str, extra_env: dict[str, str] | None, inputs: RoundInputs) -> str:

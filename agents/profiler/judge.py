@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainbridge.agents.profiler import tamper
+from trainbridge.agents.profiler.drift import TIMED_DELTA_COSINE_FLOOR
 from trainbridge.agents.profiler.gate import drift_threads, gate_steps, run_gate
 from trainbridge.agents.profiler.numerics import NumericsTolerance
 from trainbridge.agents.profiler.region_lab import lab_enabled, lab_env, region_verdict, time_region
@@ -29,6 +30,9 @@ def tolerance_for(numerics) -> NumericsTolerance:
         grad_atol=max(numerics.atol or 0.0, defaults.grad_atol),
         loss_rtol=max(numerics.loss_rtol or 0.0, defaults.loss_rtol),
         grad_cosine_min=min(numerics.grad_cosine_min or defaults.grad_cosine_min, defaults.grad_cosine_min),
+        # a recipe may lower the timed steps' direction floor to the gate's own floor for a drifting baseline, not below
+        timed_delta_cosine_min=max(min(numerics.timed_delta_cosine_min or defaults.timed_delta_cosine_min,
+                                       defaults.timed_delta_cosine_min), TIMED_DELTA_COSINE_FLOOR),
     )
 
 

@@ -267,6 +267,12 @@ def paired_ratio_ci(
     return _median_ratio_ci(logs, confidence, seed, resamples)
 
 
+def median_ratio(ratios: Sequence[float]) -> float:
+    """The gate's point estimate of per-round ratios: exp of their median log, as `decide_speed` reports it (from the same
+    logs: `_median_ratio_ci`), without the interval's resampling (the gate's running ratio, said after each round)."""
+    return math.exp(statistics.median([math.log(r) for r in ratios]))
+
+
 def _median_ratio_ci(logs: Sequence[float], confidence: float, seed: int, resamples: int) -> tuple[float, float, float]:
     """exp of the median log-ratio and of its percentile-bootstrap interval."""
     low, high = bootstrap_ci(logs, confidence=confidence, resamples=resamples, seed=seed)
