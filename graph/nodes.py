@@ -23,16 +23,17 @@ from trainbridge.agents.retrieval.sites import site_fingerprint, tried_key
 from trainbridge.graph import npu_pending
 from trainbridge.graph.context import RunContext
 from trainbridge.graph.detached_views import detached_view, remove_view
-from trainbridge.graph.lines import Detail, VerdictLine
+from trainbridge.graph.lines import Detail, ProgressLine, VerdictLine
 from trainbridge.graph.team.devices import parallel_gates
 from trainbridge.graph.npu_port import port_to_npu
 from trainbridge.graph.review import REVIEW_SCHEMA_VERSION, ReviewDecision, review_payload
 from trainbridge.graph.state import RunState
-from trainbridge.graph.stops import NO_INTENTS, RunStopped, closing_rounds_that_fit, limit_reached, stop_reason
+from trainbridge.graph.stops import NO_INTENTS, RunStopped, budget_line, closing_round_fits, closing_rounds_that_fit, limit_reached, stop_reason
 from trainbridge.knowledge.schema import Outcome
 from trainbridge.records import Intent
 from trainbridge.sandbox.backends import npu_emulated
 from trainbridge.sandbox.workload import Workload
+from trainbridge.tools.report.sections import intent_record
 
 
 PARTS_KEY = "_parts"  # a node's sub-phase seconds; builder.timed moves them into `phase_times`
@@ -88,6 +89,7 @@ def _measure(workload: Workload, ctx: RunContext):
 
 def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     from trainbridge.agents.analyst.analyze import analyze_repo
+    from trainbridge.agents.analyst.earlier_reference import earlier_lookup
 
     ctx = runtime.context
     workspace = ctx.workspace(state["base_sha"])
@@ -98,9 +100,12 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     pending = npu_pending.pending_head(ctx, workspace)
     if pending is not None:
         head = npu_pending.pending_view(workspace, pending)  # emulated NPU: rewrites stack on the pending branch: analyse its head
+    # the reference is compiled (or read from the pack) once, on the original; a later head is analysed with its counts
+    # for every region whose code is unchanged since (found by site, not by its moved lines)
+    earlier = None if first else earlier_lookup(state.get("intent_evidence") or {}, lambda i: site_fingerprint(head, i))
     analysis = analyze_repo(ctx.config.workload(head), backend=ctx.config.target, reference_pack=pack if first else None,
                             compile_reference=ctx.config.compile_reference and first,
-                            on_phase=_server_starter(ctx, workspace.worktree) if first else None)
+                            on_phase=_server_starter(ctx, workspace.worktree) if first else None, earlier=earlier)
     done = set(state.get("done_intents", []))
     wanted = set(ctx.config.categories) if ctx.config.categories else None
     found = split_own_rewrites(analysis.intents, head, state["base_sha"], state.get("verdicts", []))
@@ -111,10 +116,7 @@ def analyst(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     update: dict[str, Any] = {
         "node": "analyst",
         "intents": [i.model_dump(mode="json") for i in intents],
-        "intent_evidence": {i.id: {"category": str(i.category), "spans": [str(s) for s in i.spans],
-                                   "evidence": i.evidence.model_dump(mode="json"), "confidence": i.confidence,
-                                   "estimated_saving_us": i.estimated_saving_us, "site": site_fingerprint(head, i)}
-                           for i in found.kept},
+        "intent_evidence": {i.id: intent_record(i, site_fingerprint(head, i)) for i in found.kept},
         "analyses": (state.get("analyses") or 0) + 1,
         "eager_ops_now": analysis.eager_ops_per_step,
         "eager_ops_sha": pending or workspace.head_sha,  # which head `eager_ops_now` counts (the report's "after")
@@ -182,6 +184,7 @@ def retrieval(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         return {"node": "retrieval", "current_intent": None, "recipe_queue": [], "stop_reason": stop.message, **seen}
     ctx.say(f"intent {choice.intent.category} at {', '.join(str(s) for s in choice.intent.spans)}: {len(choice.queue)} "
             f"{'last-resort ' if choice.last_resort else ''}recipe(s)")
+    ctx.say(budget_line(state, ctx.config))  # the run's own ETA (issue 27)
     return {"node": "retrieval", "current_intent": choice.data, "recipe_queue": choice.queue, "candidate": None,
             "review_feedback": None, "verdict": None, **seen}
 
@@ -274,24 +277,30 @@ def route_after_apply_review(state: RunState) -> Literal["coder", "profiler", "d
 
 class GateProgressLines:
     """The gate's progress as lines for the operator: the numerics check, then each timing round with the rounds
-    planned so far (the sequential rule may look again later) and the time the planned ones will take at the
-    rounds' mean so far."""
+    planned so far (the sequential rule may look again later), the running candidate/baseline ratio (the gate's own
+    estimate over the rounds it keeps; below 1 is faster) and the time the planned ones will take at the rounds' mean
+    so far."""
 
     def __init__(self, say):
         self.say, self.started = say, time.monotonic()
         self.timing_since: float | None = None
 
-    def __call__(self, phase: str, done: int, total: int) -> None:
+    def __call__(self, phase: str, done: int, total: int, ratio: float | None = None) -> None:
         now = time.monotonic()
+        so_far = f": candidate/baseline {ratio:.3f} so far" if ratio is not None else ""
         if phase == "numerics" and done == 0:
             self.say("  gate: numerics check (first round)")
         elif phase == "timing" and done == 0:
             self.timing_since = now
-            self.say(f"  gate: numerics match; timing {total} paired rounds ({now - self.started:.0f} s so far)")
+            self.say(f"  gate: numerics match; timing paired rounds ({now - self.started:.0f} s so far)")
+        elif phase == "timing" and done == 1:  # the numerics check's own round, counted as it ends: no time of its own
+            self.say(ProgressLine(f"  gate: round 1 of {total} planned{so_far} (the numerics check's round)", phase="gate",
+                                  done=1, total=total))
         elif phase == "timing" and self.timing_since is not None:
-            per_round = (now - self.timing_since) / done
+            per_round = (now - self.timing_since) / (done - 1)  # the rounds timed after the numerics check's
             left = max(0, total - done) * per_round
-            self.say(f"  gate: round {done} of {total} planned ({per_round:.1f} s a round; about {left:.0f} s to the next look)")
+            self.say(ProgressLine(f"  gate: round {done} of {total} planned{so_far} ({per_round:.1f} s a round; about {left:.0f} s "
+                                  "to the next look)", phase="gate", done=done, total=total))
 
 
 def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
@@ -330,6 +339,10 @@ def decide(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         record = verdict_record(candidate, accepted=verdict["accepted"], reason=verdict["reason"], message=verdict["message"],
                                  ratio=verdict.get("ratio"), ratio_ci=verdict.get("ratio_ci"))
         record["gate"] = gate_summary(verdict)
+        recipe = ctx.kb.get_recipe(candidate.recipe_id) if candidate.recipe_id else None
+        if recipe is not None and recipe.numerics.precision_change and (
+                verdict["accepted"] or verdict["reason"] == "speed_unmeasured_numerics_ok"):
+            record["precision_change"] = recipe.numerics.precision_change  # kept, flagged for review (tools/report/sections.py)
         if verdict["accepted"]:
             result = workspace.accept_candidate(candidate.name)
             record["sha"] = result.sha
@@ -393,7 +406,8 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         if 0 < rounds < ctx.config.final_rounds:
             ctx.say(f"final comparison: {rounds} of {ctx.config.final_rounds} rounds fit in the budget's time left")
         if rounds > 0:
-            comparison = _final_comparison(ctx, workspace, state["base_sha"], rounds)
+            comparison = _final_comparison(ctx, workspace, state["base_sha"], rounds,
+                                           round_fits=lambda round_s: closing_round_fits(state, ctx.config, round_s))
         elif ctx.config.final_rounds > 0:
             ctx.say("no final comparison: the budget has no time left for one round of it")
         elif ctx.config.final_rounds == 0:
@@ -405,7 +419,7 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
                                allowed=ctx.config.recipe_ids)
     paths = write_report({**state, "intent_coverage": coverage.as_record()}, ctx.config, ctx.paths.report, final_step_s=final, stop_reason=reason,
                          emulated_npu=ctx.config.target == "npu" and npu_emulated(), kb_stats=_kb_stats(ctx),
-                         final_comparison=comparison, kb_added=_kb_added(ctx, state))
+                         final_comparison=comparison, kb_added=_kb_added(ctx, state), closing_s=parts)
     remove_view(workspace, npu_pending.PENDING_VIEW)
     workspace.cleanup()
     ctx.say(coverage.line())
@@ -413,7 +427,7 @@ def report(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             "intent_coverage": coverage.as_record(), PARTS_KEY: parts}
 
 
-def _final_comparison(ctx: RunContext, workspace, base_sha: str, rounds: int) -> dict[str, Any] | None:
+def _final_comparison(ctx: RunContext, workspace, base_sha: str, rounds: int, round_fits=None) -> dict[str, Any] | None:
     """The final head against the original (and torch.compile of it), interleaved; None when it cannot run."""
     from trainbridge.agents.profiler.final import FinalComparisonError, compare_final
 
@@ -421,8 +435,16 @@ def _final_comparison(ctx: RunContext, workspace, base_sha: str, rounds: int) ->
     ctx.say(f"final comparison: {arms}, {rounds} interleaved rounds")
     original = detached_view(workspace, BASE_VIEW, base_sha)
     try:
+        started = time.monotonic()  # the comparison took minutes without a line (issue 27): a line per round, with the time left
         result = compare_final(ctx.config.workload(original), ctx.config.workload(workspace.worktree), backend=ctx.config.target,
-                               rounds=rounds, with_compile=ctx.config.compile_reference)
+                               rounds=rounds, with_compile=ctx.config.compile_reference,
+                               on_round=lambda done, total: ctx.say(ProgressLine(
+                                   f"  final comparison: round {done} of {total} ({(time.monotonic() - started) / done:.0f} s a "
+                                   f"round; about {(total - done) * (time.monotonic() - started) / done:.0f} s left)",
+                                   phase="final comparison", done=done, total=total)),
+                               round_fits=round_fits)
+        if result.rounds < rounds:
+            ctx.say(f"final comparison: stopped after {result.rounds} of {rounds} rounds: another would overrun the budget")
     except FinalComparisonError as exc:
         ctx.say(f"no final comparison: {exc}")
         return None

@@ -72,6 +72,14 @@ def closing_rounds_that_fit(state: dict[str, Any], config) -> int:
     return fitting[0] if fitting else 0
 
 
+def closing_round_fits(state: dict[str, Any], config, round_s: float) -> bool:
+    """Whether one more round of the closing comparison, as long as its rounds so far (`round_s`), ends within the
+    budget: asked between its rounds, so the budget holds whatever `closing_rounds_that_fit` had estimated (a real
+    gpt2_pretrain run's 3 closing rounds took 912 s where ~500 s were estimated: each round's compiled arm is a fresh
+    child that compiles again, and a fresh child costs more than a gate round)."""
+    return elapsed_s(state, config) + round_s <= config.budget_s
+
+
 def gate_round_s(state: dict[str, Any]) -> float | None:
     """A timed gate round as the run's latest gates measured it (the median over the last three that timed any):
     how long a child of the program takes on this machine now. None before a gate has timed a round."""
@@ -94,11 +102,28 @@ def baseline_child_s(state: dict[str, Any]) -> float:
 
 def typical_gate_s(state: dict[str, Any], config) -> float:
     """How long the next gate will take: the median of the run's gates so far; before the first one, a child per
-    round of the gate's first look and two for the numerics probe, each as long as the run's baseline child."""
+    round of the gate's first look and two for the numerics probe, each as long as the run's baseline child. An NPU
+    target on the emulation judges numerics only: its gate stops after the first round (and that round's drift
+    child), so the first estimate is four children, not a look's rounds."""
     gates = sorted(t["wall_s"] for t in state.get("phase_times") or [] if t["node"] == "profiler")
     if gates:
         return gates[len(gates) // 2]
-    return (min(config.gate_rounds, 6) + 2) * baseline_child_s(state)
+    rounds = (min(config.gate_rounds, 6) if closing_comparison_runs(config) else 2)  # timed rounds, or round + drift
+    return (rounds + 2) * baseline_child_s(state)
+
+
+def reanalysis_s(state: dict[str, Any]) -> float:
+    """The analysis still to come before the next candidate: after a commit lands the loop re-analyses the new head
+    first (fusions interact, lines move), which takes about as long as the run's last analysis without its compile
+    reference (a re-analysis does not compile the original again: 58 s after a first analysis of 284 s, 256 s of them
+    the reference, for gpt2_pretrain on the busy host); 0 once the head the last analysis counted (`eager_ops_sha`) is
+    the last commit."""
+    landed = [v.get("sha") for v in state.get("verdicts") or [] if v.get("sha")]
+    if not landed or state.get("eager_ops_sha") == landed[-1]:
+        return 0.0
+    analyses = [t["wall_s"] - (t.get("parts") or {}).get("reference", 0.0) for t in state.get("phase_times") or []
+                if t["node"] == "analyst"]
+    return max(0.0, analyses[-1]) if analyses else 0.0
 
 
 def elapsed_s(state: dict[str, Any], config) -> float:
@@ -109,15 +134,28 @@ def elapsed_s(state: dict[str, Any], config) -> float:
 
 
 def budget_allows_another(state: dict[str, Any], config) -> bool:
-    """Time left for one more candidate as long as the typical one (`typical_gate_s`, the first one included), and
-    then for the final comparison (`final_comparison_s`), so a run ends near its budget rather than one gate past
-    it. Before the first gate the estimates rest on one child only: the first candidate needs room for one
-    closing round, not all of them (the report node runs the rounds that fit: `closing_rounds_that_fit`)."""
-    elapsed = elapsed_s(state, config)
+    """Time left for one more candidate as long as the typical one (`typical_gate_s`, the first one included), after
+    the re-analysis of a new head when one is due (`reanalysis_s`: it was not counted, so a run could end an analysis
+    past its budget), and then for the final comparison (`final_comparison_s`), so a run ends near its budget rather
+    than one gate past it. Before the first gate the estimates rest on one child only: the first candidate needs room
+    for one closing round, not all of them (the report node runs the rounds that fit: `closing_rounds_that_fit`)."""
+    elapsed = elapsed_s(state, config) + reanalysis_s(state)
     typical = typical_gate_s(state, config)
     first = not any(t["node"] == "profiler" for t in state.get("phase_times") or [])
     rounds = min(1, config.final_rounds) if first else None
     return elapsed + typical + final_comparison_s(state, config, typical, rounds=rounds) <= config.budget_s
+
+
+def budget_line(state: dict[str, Any], config) -> str:
+    """Where the run stands against its budget, from its own figures (said as each candidate starts): time used, the next
+    gate's and the closing comparison's estimates, and about how many more candidates like the typical one fit."""
+    elapsed = elapsed_s(state, config)
+    typical = typical_gate_s(state, config)
+    closing = final_comparison_s(state, config, typical)
+    more = int(max(0.0, config.budget_s - elapsed - closing - reanalysis_s(state)) // typical) if typical > 0 else None
+    return (f"  budget: {elapsed / 60:.1f} of {config.budget_s / 60:.1f} min used; a gate about {typical / 60:.1f} min, "
+            f"the closing comparison about {closing / 60:.1f} min"
+            + (f"; room for about {more} more candidate(s) like that" if more is not None else ""))
 
 
 def limit_reached(state: dict[str, Any], config) -> Stop | None:

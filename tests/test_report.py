@@ -44,10 +44,10 @@ def test_combined_interval_is_the_quadrature_sum_on_the_log_scale():
 def test_report_states_baseline_product_compile_reference_and_loop_cost(tmp_path):
     config = SimpleNamespace(run_id="r", repo="/repo", target="cpu")
     paths = write_report(_state(), config, tmp_path, final_step_s=0.110, stop_reason="no intents left", emulated_npu=False,
-                         kb_stats=None)
+                         kb_stats=None, closing_s={"final_measure": 12.0})
     markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "baseline step: 125.0 ms" in markdown
-    assert "ratio 0.882" in markdown and "1.13x faster" in markdown and "approximate 95% CI of the product" in markdown
+    assert "ratio 0.882" in markdown and "1.13x faster" in markdown and "approximate CI of the product" in markdown  # no level said
     # the analyst's torch.compile figure and the final re-measurement are one-shot: stated, never a faster/slower claim
     assert "torch.compile of the original, one-shot (timed once while the analyst compiled it" in markdown
     assert "100.0 ms; the eager baseline measured 125.0 ms" in markdown and "than torch.compile" not in markdown.replace(
@@ -55,6 +55,8 @@ def test_report_states_baseline_product_compile_reference_and_loop_cost(tmp_path
     assert "A single re-measurement of the final head, one-shot" in markdown and "110.0 ms" in markdown
     assert "| profiler | 2 | 140.0 s | numerics 15.0 s, timing 125.0 s |" in markdown
     assert "| analyst | 1 | 50.0 s | static 0.1 s, profile 3.9 s, reference 45.0 s |" in markdown
+    # issue 27: the report node's own measurement (the closing comparison, here the one-shot final) was not in the table
+    assert "| report | 1 | 12.0 s | final_measure 12.0 s |" in markdown and "| all phases | 5 | 208.0 s | - |" in markdown
     assert "Candidates tried per accepted commit: 1.5." in markdown
     assert all(p.is_file() for p in paths)
     assert "UNCONFINED" not in markdown
@@ -152,3 +154,17 @@ def test_html_report_is_real_html_with_tables_charts_and_text_escaped_once(tmp_p
     assert base64.b64decode(charts[0]["src"].split(",", 1)[1]) == (tmp_path / "step_time.png").read_bytes()
     markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "&gt;" not in markdown and "&amp;" not in markdown  # the markdown is markdown, not HTML-escaped text
+
+
+def test_the_step_time_chart_draws_an_indicative_closing_comparison_as_such():
+    """Seen in a real gpt2_pretrain report's screenshot: the text said the 3-round closing comparison was indicative only,
+    while the chart drew its final bar and its torch.compile line like any measured figure."""
+    from trainbridge.tools.report.write import step_time_bars
+
+    few = {**_state(), "final_comparison": _comparison(3, final_s=0.1, final=(0.8, 0.7, 0.9), versus=(1.1, 1.0, 1.2))}
+    labels, values, weak, reference, reference_label = step_time_bars(few, None)
+    assert labels[-1] == "final (3 rounds, indicative)" and weak and reference_label.endswith("(3 rounds, indicative)")
+    enough = {**_state(), "final_comparison": _comparison(6, final_s=0.1, final=(0.8, 0.7, 0.9), versus=(1.1, 1.0, 1.2))}
+    labels, values, weak, reference, reference_label = step_time_bars(enough, None)
+    assert labels[-1] == "final (closing comparison)" and not weak and reference_label == "torch.compile of the original"
+    assert step_time_bars(_state(), 0.110)[0][-1] == "final (one-shot)" and step_time_bars({**_state(), "accepted": []}, None) is None

@@ -3,6 +3,7 @@ user's branches, checkout, index and uncommitted work stay exactly as they were.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -61,10 +62,12 @@ def test_rm_on_the_command_line_asks_and_says_what_it_removed(user, tmp_path):
            "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_CONFIG_NOSYSTEM": "1"}
     asked = subprocess.run([sys.executable, "-m", "trainbridge", "rm", "cli-run"], input="n\n", capture_output=True,
                            text=True, env=env, timeout=120)
-    assert asked.returncode == 1 and paths.dir.exists()
-    done = subprocess.run([sys.executable, "-m", "trainbridge", "rm", "cli-run", "--yes"], capture_output=True, text=True,
-                          env=env, timeout=120)
+    assert asked.returncode == 1 and paths.dir.exists() and "nothing removed" in asked.stderr  # it exited 1 without a word
+    done = subprocess.run([sys.executable, "-m", "trainbridge", "rm", "cli-run", "--yes", "--json", "-"], capture_output=True,
+                          text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)  # --json -: the removal's record and nothing else on stdout
+    assert record["removed_branches"] == ["trainbridge/cli-run", "trainbridge/cli-run.cand/c1"] and len(record["removed_worktrees"]) == 2
     assert "removed 2 worktree(s) and 2 branch(es): trainbridge/cli-run, trainbridge/cli-run.cand/c1" in done.stderr
     assert not paths.dir.exists()
     again = subprocess.run([sys.executable, "-m", "trainbridge", "rm", "cli-run", "--yes"], capture_output=True, text=True,

@@ -3,6 +3,7 @@ and the review decision asked for. Shared by the local (cli_loop) and served (cl
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -19,9 +20,9 @@ from trainbridge.graph.cli.terminal import console
 from trainbridge.graph.cli.terminal import error as _error
 
 
-def say(message: str) -> None:
-    """One progress line on stderr, timestamped."""
-    console.print(f"[dim]{datetime.now():%H:%M:%S}[/] {message}", soft_wrap=True, highlight=False)
+def say(message: str, out: Console | None = None) -> None:
+    """One progress line on stderr (or `out`), timestamped."""
+    (out or console).print(f"[dim]{datetime.now():%H:%M:%S}[/] {message}", soft_wrap=True, highlight=False)
 
 
 QUIET, DEFAULT, VERBOSE = -1, 0, 1
@@ -33,17 +34,62 @@ def verbosity(verbose: bool, quiet: bool) -> int:
     return VERBOSE if verbose else QUIET if quiet else DEFAULT
 
 
-def say_at(level: int):
+class TerminalProgress:
+    """A long phase's steps (graph/lines.ProgressLine) as one progress bar in a terminal, updated in place, with the
+    step's line as its description; elsewhere (a pipe, CI) each step is a line. Any other line ends the bar first,
+    so lines never interleave with it; the run log keeps every step's line either way (graph/runs.logged)."""
+
+    def __init__(self, out: Console | None = None) -> None:
+        self.console = out or console
+        self.bar = None  # rich.progress.Progress, while a phase's bar is shown
+        self.phase: str | None = None
+        self.task = None
+        self.stopped_at_exit = False
+
+    def __call__(self, message: str) -> None:
+        from trainbridge.graph.lines import ProgressLine
+
+        if not isinstance(message, ProgressLine) or not self.console.is_terminal:
+            self.stop()
+            say(message, self.console)
+            return
+        if self.bar is None or self.phase != message.phase:
+            self.stop()
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            # no refresh thread and no redirected stdout: `--json -` and the outcome print as without a bar
+            self.bar = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), console=self.console, transient=False, auto_refresh=False,
+                                redirect_stdout=False, redirect_stderr=False)
+            self.phase = message.phase
+            self.task = self.bar.add_task(message.strip(), total=message.total, completed=message.done)
+            self.bar.start()
+            if not self.stopped_at_exit:  # a run that ends mid-phase (an interrupt, an error) leaves no live display
+                atexit.register(self.stop)
+                self.stopped_at_exit = True
+        self.bar.update(self.task, description=message.strip(), completed=message.done, total=message.total)
+        self.bar.refresh()
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()  # its last state stays on the screen: the phase's last step
+            self.bar, self.phase, self.task = None, None, None
+
+
+def say_at(level: int, out: Console | None = None):
     """`say` for a run at this verbosity (graph/lines.py): -q keeps the verdict lines only, the default adds the
-    phases and the gate's progress, -v also a failed child's stderr tail. The run's log file keeps every line."""
+    phases and the gate's progress (a progress bar in a terminal: `TerminalProgress`), -v also a failed child's
+    stderr tail. The run's log file keeps every line."""
     from trainbridge.graph.lines import Detail, VerdictLine
+
+    show = TerminalProgress(out)
 
     def emit(message: str) -> None:
         if isinstance(message, Detail) and level < VERBOSE:
             return
         if level <= QUIET and not isinstance(message, VerdictLine):
             return
-        say(message)
+        show(message)
 
     return emit
 
@@ -96,14 +142,29 @@ def show_review(payload: dict, diff_to_stderr: bool = False) -> None:
     (console if diff_to_stderr else Console()).print(Syntax(payload.get("diff") or "", "diff"))
 
 
+def answered(ask, unattended: str):
+    """`ask()` (a typer prompt or confirm); when no answer can come (stdin closed: cron, a pipe, Ctrl-D) one line saying
+    which options answer it instead, exit 1 (click said only 'Aborted!'). Ctrl-C is sandbox/termination.py's."""
+    import signal
+
+    try:
+        return ask()
+    except typer.Abort:
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+            raise KeyboardInterrupt from None  # a Ctrl-C (read as Abort too): sandbox/termination.py has handled it
+        _error(f"no answer (standard input is closed): nothing done; unattended, give the answer as options: {unattended}")
+        raise typer.Exit(1) from None
+
+
 def ask_decision(payload: dict, action: Optional[str], reason: Optional[str], patch_file: Optional[Path]) -> dict:
     """The resume value (review schema) from the options, asking for what is missing."""
     from trainbridge.graph.review import REVIEW_SCHEMA_VERSION
 
-    action = action or typer.prompt("approve, reject or edit", type=str)
+    unattended = "--action approve, --action reject --reason TEXT, or --action edit --patch FILE"
+    action = action or answered(lambda: typer.prompt("approve, reject or edit", type=str), unattended)
     decision: dict = {"schema": REVIEW_SCHEMA_VERSION, "action": action}
     if action == "reject":
-        decision["reason"] = reason or typer.prompt("reason")
+        decision["reason"] = reason or answered(lambda: typer.prompt("reason"), unattended)
     elif action == "edit":
         decision["patch"] = patch_file.read_text(encoding="utf-8") if patch_file else _edit_in_editor(payload.get("diff") or "")
     elif action != "approve":

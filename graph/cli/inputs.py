@@ -65,7 +65,10 @@ def config_errors(exc: ValidationError, options: dict[str, str]) -> str:
     lines = []
     for error in exc.errors(include_url=False):
         field = str(error["loc"][0]) if error.get("loc") else ""
-        option = options.get(field) or (f"--{field.replace('_', '-')}" if field else "the settings")
         message = str(error["msg"]).removeprefix("Value error, ")
-        lines.append(f"{option}: {message}")
+        if not field:  # a rule across options (`--review` with `--devices`): its message names them
+            lines.append(message)
+            continue
+        option = options.get(field) or f"--{field.replace('_', '-')}"
+        lines.append(f"{option}: {message.removeprefix(option).lstrip(' :')}")
     return "\n".join(lines)

@@ -12,12 +12,13 @@ from typing import Optional
 import typer
 from pydantic import ValidationError
 
-from trainbridge.graph.cli.display import DEFAULT, QUIET, ask_decision, print_outcome, say as _say, say_at, show_review, verbosity
+from trainbridge.graph.cli.display import DEFAULT, QUIET, answered, ask_decision, print_outcome, say as _say, say_at, show_review, verbosity
 from trainbridge.graph.cli.json_output import json_option, outcome_condition, run_record, to_stdout, write_json
 from trainbridge.graph.cli.inputs import TargetChoice, config_errors, default_run_id, examples_dir, parse_duration, valid_run_id
 from trainbridge.graph.cli.serve import review_on_server, run_on_server, served_run_status
 from trainbridge.graph.cli.terminal import console
 from trainbridge.graph.cli.terminal import error as _error
+from trainbridge.sandbox.termination import Terminated
 
 CHECKPOINT_HELP = ("Postgres URL of the run's checkpoints (postgresql://user@host:5432/db; the password in PGPASSWORD or ~/.pgpass); "
                    "a run checkpointed there can be shown, reviewed, resumed and reported from any machine that reaches the "
@@ -127,10 +128,13 @@ def run(
         return
     from trainbridge.graph.preflight import RunInputError, check_run_input
 
-    try:  # before anything of the run exists: a bad repository leaves no run record behind
+    from trainbridge.knowledge.store_records import KnowledgeBaseError
+
+    try:  # before anything of the run exists: a bad repository or knowledge base leaves no run record behind
         for note in check_run_input(config):
             say(note)
-    except RunInputError as exc:
+        check_knowledge_base(config)
+    except (RunInputError, KnowledgeBaseError) as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
     say(f"run {name} on {repo} (target {target}); resume with: trainbridge resume {name}")
@@ -144,10 +148,20 @@ def run(
                f"and worktrees: trainbridge rm {name})")
         write_json(json_out, run_record(name, {}, condition="failed", error=str(exc)))
         raise typer.Exit(1) from None
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated):  # Ctrl-C or SIGTERM (sandbox/termination.py ends the processes after this)
         _error(f"run {name} interrupted; its last checkpoint is kept: continue it with `trainbridge resume {name}`")
         raise
     _report_outcome(outcome, json_out, level)
+
+
+def check_knowledge_base(config) -> None:
+    """Open the run's knowledge base once before the run starts: a damaged folder or a server that does not answer
+    stops it here in one line (KnowledgeBaseError says what to do), not at its first retrieval after the baseline and
+    the analysis, with a traceback."""
+    from trainbridge.knowledge.store import KnowledgeBase
+
+    kb = KnowledgeBase.connect(config.kb_url) if config.kb_url else KnowledgeBase(config.kb_dir)
+    kb.close()
 
 
 def run_condition(info: dict, run_id: str) -> str:
@@ -173,10 +187,11 @@ def _stopping_errors() -> tuple[type[BaseException], ...]:
     from trainbridge.agents.analyst.analyze import AnalysisError
     from trainbridge.agents.coder.llm.config import LLMConfigError
     from trainbridge.graph.stops import RunStopped
+    from trainbridge.knowledge.store_records import KnowledgeBaseError
     from trainbridge.sandbox.workload import WorkloadConfigError
     from trainbridge.tools.git.ops import UnsafeRepoState
 
-    return (AnalysisError, LLMConfigError, RunStopped, UnsafeRepoState, WorkloadConfigError)
+    return (AnalysisError, KnowledgeBaseError, LLMConfigError, RunStopped, UnsafeRepoState, WorkloadConfigError)
 
 
 def resume(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run to continue."),
@@ -199,27 +214,35 @@ def resume(run_id: str = typer.Argument(..., callback=valid_run_id, help="The ru
         _error(f"run {run_id} stopped: {exc}")
         write_json(json_out, run_record(run_id, {}, condition="failed", error=str(exc)))
         raise typer.Exit(1) from None
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated):
         _error(f"run {run_id} interrupted; its last checkpoint is kept: continue it with `trainbridge resume {run_id}`")
         raise
     _report_outcome(outcome, json_out, level)
 
 
 def remove(run_id: str = typer.Argument(..., callback=valid_run_id, help="The run to remove."),
-           yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask.")) -> None:
+           yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask."),
+           json_out: Optional[Path] = json_option("removal's record (worktrees and branches removed, branches kept and why, the folder)")) -> None:
     """Remove a run: its worktrees, its trainbridge/<run-id> branches and its folder (settings, checkpoints, report).
 
     Never touches your own branches, checkout or uncommitted work; a run branch you have checked out stays (named). Refused while the run is running.
     """
     from trainbridge.graph.runs import RunError, remove_run
 
-    if not yes and not typer.confirm(f"Remove run {run_id} (its branches, worktrees and report)?", default=False):
+    if not yes and not answered(lambda: typer.confirm(f"Remove run {run_id} (its branches, worktrees and report)?", default=False),
+                                f"trainbridge rm {run_id} --yes"):
+        _error(f"nothing removed (run {run_id} stays; `trainbridge rm {run_id} --yes` removes it without asking)")
         raise typer.Exit(1)
     try:
         removal = remove_run(run_id)
     except RunError as exc:
         _error(str(exc))
         raise typer.Exit(2) from None
+    git = removal.git
+    write_json(json_out, {"run_id": run_id, "folder": str(removal.folder), "notes": removal.notes,
+                          "removed_worktrees": [str(p) for p in git.removed_worktrees] if git else [],
+                          "removed_branches": list(git.removed_branches) if git else [],
+                          "kept_branches": dict(git.kept_branches) if git else {}})
     if removal.git is not None:
         _say(f"removed {len(removal.git.removed_worktrees)} worktree(s) and {len(removal.git.removed_branches)} branch(es)"
              + (f": {', '.join(removal.git.removed_branches)}" if removal.git.removed_branches else ""))
@@ -429,10 +452,10 @@ def verify(run_id: str = typer.Argument(..., callback=valid_run_id, help="A run 
     level = verbosity(verbose, quiet)
     try:
         report = verify_run(run_id, say=say_at(level))
-    except VerifyRefused as exc:
+    except (VerifyRefused, RunError) as exc:  # no NPU here, or no such run: exit 2 as every command's bad input
         _error(str(exc))
         raise typer.Exit(2) from None
-    except (VerifyError, RunError) as exc:
+    except VerifyError as exc:
         _error(str(exc))
         raise typer.Exit(1) from None
     write_json(json_out, report.model_dump(mode="json"))

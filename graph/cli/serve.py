@@ -11,9 +11,11 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
@@ -62,12 +64,52 @@ def serve(
     _connect_help(url, host)
     argv = [sys.executable, "-m", "langgraph_cli", "dev", "--no-browser", "--no-reload", "--host", host, "--port", str(port),
             "--config", str(config), "--n-jobs-per-worker", str(jobs)]
-    process = subprocess.Popen(argv, cwd=folder, env=server_env())
+    # the server leads a session of its own: no signal reaches it but the one forwarded here, once (a Ctrl-C sent to
+    # `serve` alone, a SIGTERM or SIGHUP left `langgraph dev` serving)
+    process = subprocess.Popen(argv, cwd=folder, env=server_env(), start_new_session=True)
+    raise typer.Exit(serve_until_stopped(process))
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+SHUTDOWN_GRACE_S = 20.0  # a server that has not shut down this long after its SIGINT is killed
+
+
+def serve_until_stopped(process: subprocess.Popen, grace_s: float = SHUTDOWN_GRACE_S) -> int:
+    """Wait for the server; on SIGINT, SIGTERM or SIGHUP of this process, ask the server to shut down (SIGINT, its own
+    Ctrl-C: a graceful stop), ignore further signals, and kill its whole session if it is still up `grace_s` later.
+    The exit status: the server's own when it ended by itself, 0 after a Ctrl-C, 128 + the signal after another."""
+    stopped: list[tuple[int, float]] = []
+
+    def stop(signum, frame) -> None:
+        if not stopped:
+            stopped.append((signum, time.monotonic()))
+            console.print(f"stopping the LangGraph server (pid {process.pid})", soft_wrap=True, highlight=False)
+            _signal_session(process.pid, signal.SIGINT)
+
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
     try:
-        code = process.wait()
-    except KeyboardInterrupt:  # the server got the same Ctrl-C: let it shut down
-        code = process.wait()
-    raise typer.Exit(code if code and code > 0 else 0)
+        while True:
+            try:
+                code = process.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if stopped and time.monotonic() - stopped[0][1] > grace_s:
+                    _error(f"the LangGraph server did not stop within {grace_s:.0f} s: killed")
+                    _signal_session(process.pid, signal.SIGKILL)
+        _signal_session(process.pid, signal.SIGKILL)  # whatever the server started and left in its session
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if not stopped:
+        return code if code and code > 0 else 0
+    return 0 if stopped[0][0] == signal.SIGINT else 128 + stopped[0][0]
+
+
+def _signal_session(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def server_dir() -> Path:

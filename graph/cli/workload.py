@@ -18,7 +18,7 @@ from rich.table import Table
 from trainbridge.graph.cli.inputs import resolve_repo
 from trainbridge.graph.cli.terminal import console
 from trainbridge.graph.cli.terminal import error as _error
-from trainbridge.knowledge.cli_json import write_json
+from trainbridge.knowledge.cli_json import json_option, write_json
 from trainbridge.sandbox.backends import BACKENDS
 from trainbridge.sandbox.results import RunResult
 from trainbridge.sandbox.workload import WorkloadConfigError
@@ -58,7 +58,7 @@ def measure(
     timeout: Optional[float] = typer.Option(None, help="Wall-clock limit in seconds for the whole run."),
     threads: Optional[int] = typer.Option(None, help="CPU threads for the child (default: trainbridge.toml, else 2)."),
     seed: Optional[int] = typer.Option(None, help="Seed for parameters and batches."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the full result as JSON to this file ('-' for stdout)."),
+    json_out: Optional[Path] = json_option("full result (every step time, loss and the failure, if any)"),
     launch: Optional[list[str]] = typer.Argument(None, metavar="[-- LAUNCH...]", help="Script mode: the command the repository trains with, after `--` (e.g. `-- python train.py --batch_size=4`); replaces trainbridge.toml's launch/entry/command."),
 ) -> None:
     """Run a workload's training step in the sandbox and print step-time statistics and losses.
@@ -95,7 +95,7 @@ def analyze(
     static: bool = typer.Option(False, "--static", help="Source scan only: no code is run, intents are lower-confidence and unestimated."),
     reference: Optional[Path] = typer.Option(None, "--reference", help="Evidence pack from `trainbridge collect-evidence` (e.g. made on a GPU machine) instead of compiling here."),
     no_reference: bool = typer.Option(False, "--no-reference", help="Skip the torch.compile reference (faster; K and savings become coarse)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the whole analysis (all evidence) as JSON to this file ('-' for stdout)."),
+    json_out: Optional[Path] = json_option("whole analysis (every intent with all its evidence)"),
     launch: Optional[list[str]] = typer.Argument(None, metavar="[-- LAUNCH...]", help="Script mode: the command the repository trains with, after `--` (e.g. `-- python train.py --batch_size=4`); replaces trainbridge.toml's launch/entry/command."),
 ) -> None:
     """Find where the eager program is fragmented: ranked intents with their evidence.

@@ -10,6 +10,7 @@ says that it is one-shot and makes no faster / slower claim.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 MIN_RESULT_ROUNDS = 6  # fewer interleaved rounds give no interval worth the name (the gate's first look is 6 too)
@@ -17,6 +18,13 @@ MIN_RESULT_ROUNDS = 6  # fewer interleaved rounds give no interval worth the nam
 
 def ms(seconds: float | None) -> str:
     return "not measured" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def ci_label(record: dict[str, Any]) -> str:
+    """'93.75% CI': the level the gate's interval has, as its verdict message states it (the exact signed-rank test on 6
+    rounds attains 93.75%, not the 95% the report printed); 'CI' when the message does not say."""
+    found = re.search(r"(\d+(?:\.\d+)?)% CI", record.get("message") or "")
+    return f"{found.group(1)}% CI" if found else "CI"
 
 
 def combined_ci(ratios: list[tuple[float, tuple[float, float]]]) -> tuple[float, float] | None:
@@ -38,6 +46,11 @@ def result_lines(state: dict[str, Any], final_step_s: float | None) -> list[str]
     """The paragraphs of the report's Result section, the gate's figures first."""
     accepted = state.get("accepted") or []
     if not accepted:
+        pending = [v for v in state.get("verdicts") or [] if v.get("reason") == "speed_unmeasured_numerics_ok" and v.get("sha")]
+        if pending:  # an NPU target without an NPU: verified numerics wait for hardware, nothing is faster yet
+            return [f"No rewrite was accepted here: there is no NPU to measure speed on, so the run branch equals the base "
+                    f"commit. {len(pending)} rewrite(s) with verified numerics wait on `{state.get('run_branch')}.pending-npu` "
+                    f"(head `{pending[-1]['sha'][:12]}`) for `trainbridge verify` on an NPU host; their speed is unmeasured."]
         return ["No rewrite was accepted: the run branch equals the base commit."]
     baseline = state.get("baseline_step_s")
     lines = [gate_line(baseline, accepted)]
@@ -65,13 +78,15 @@ def gate_line(baseline: float | None, accepted: list[dict[str, Any]]) -> str:
         rounds = (gate.get("rounds") or 0) - busy
         text = f"{record.get('category')} {record['ratio']:.3f}"
         if record.get("ratio_ci"):
-            text += f" (95% CI {record['ratio_ci'][0]:.3f}–{record['ratio_ci'][1]:.3f}"
+            text += f" ({ci_label(record)} {record['ratio_ci'][0]:.3f}–{record['ratio_ci'][1]:.3f}"
             text += (f", {rounds} rounds" + (f" counted, {busy} left out as busy" if busy else "") + ")") if rounds > 0 else ")"
         return text
 
     product = math.prod(a["ratio"] for a in measured)
     combined = combined_ci([(a["ratio"], tuple(a["ratio_ci"])) for a in measured if a.get("ratio_ci")])
-    interval = (f" (approximate 95% CI of the product {combined[0]:.3f}–{combined[1]:.3f}: the commits' intervals combined "
+    levels = {ci_label(a) for a in measured if a.get("ratio_ci")}
+    level = levels.pop() if len(levels) == 1 else "CI"
+    interval = (f" (approximate {level} of the product {combined[0]:.3f}–{combined[1]:.3f}: the commits' intervals combined "
                 "in quadrature on the log scale)") if combined and len(measured) > 1 else ""
     speed = f"{1 / product:.2f}x faster than the baseline of {ms(baseline)}"
     if all(a.get("ratio_ci") for a in measured):
@@ -80,8 +95,8 @@ def gate_line(baseline: float | None, accepted: list[dict[str, Any]]) -> str:
             f"{'; '.join(figure(a) for a in measured)}. Their product: ratio {product:.3f}{interval}, {speed}.")
 
 
-def _ci(figure: dict[str, float]) -> str:
-    return f"{figure['ratio']:.3f} (95% CI {figure['ci_low']:.3f}–{figure['ci_high']:.3f})"
+def _ci(figure: dict[str, float], confidence: float = 0.95) -> str:
+    return f"{figure['ratio']:.3f} ({confidence * 100:g}% CI {figure['ci_low']:.3f}–{figure['ci_high']:.3f})"
 
 
 def comparison_lines(comparison: dict[str, Any]) -> list[str]:
@@ -89,6 +104,7 @@ def comparison_lines(comparison: dict[str, Any]) -> list[str]:
     `MIN_RESULT_ROUNDS` rounds they are stated as indicative only: no interval, no verdict, no bold."""
     medians = comparison.get("median_step_s") or {}
     rounds = comparison.get("rounds")
+    level = comparison.get("confidence") or 0.95
     final = comparison.get("final_vs_original")
     compiled = comparison.get("compiled_vs_original")
     lines = []
@@ -105,14 +121,14 @@ def comparison_lines(comparison: dict[str, Any]) -> list[str]:
             verdict = (f"{1 / final['ratio']:.2f}x faster" if final["ci_high"] < 1 else
                        f"{final['ratio']:.2f}x the step time, slower" if final["ci_low"] > 1 else
                        f"{1 / final['ratio']:.2f}x, but the interval includes no change: more rounds would be needed to tell")
-            lines.append(f"Closing comparison: **Final head vs the original: step-time ratio {_ci(final)}, {verdict}** "
+            lines.append(f"Closing comparison: **Final head vs the original: step-time ratio {_ci(final, level)}, {verdict}** "
                          f"(original {ms(medians.get('original'))}, final {ms(medians.get('final'))}; medians of {rounds} "
                          "interleaved rounds, a fresh sandbox child per program and round, rotated order).")
         versus = comparison.get("final_vs_compiled")
         if versus and compiled:
             side = "faster than" if versus["ci_high"] < 1 else "slower than" if versus["ci_low"] > 1 else "not distinguishable from"
             lines.append(f"torch.compile of the original (Inductor, measured in the same rounds): {ms(medians.get('original_compiled'))}, "
-                         f"ratio to the original {_ci(compiled)}. Final head / torch.compile of the original: {_ci(versus)}: "
+                         f"ratio to the original {_ci(compiled, level)}. Final head / torch.compile of the original: {_ci(versus, level)}: "
                          f"the final head is {side} torch.compile.")
     for arm, why in (comparison.get("failures") or {}).items():
         lines.append(f"The {arm.replace('_', ' ')} arm failed and is left out: {why}.")

@@ -29,7 +29,8 @@ table { border-collapse: collapse; width: 100%; margin: .8rem 0; font-size: .92e
 th, td { border: 1px solid var(--rule); padding: .35rem .55rem; text-align: left; vertical-align: top; }
 th { background: var(--band); }
 tbody tr:nth-child(even) { background: #fafbfc; }
-td:nth-child(5) { white-space: nowrap; }
+td[style*="text-align:right"], th[style*="text-align:right"] { white-space: nowrap; }
+td code { white-space: nowrap; }
 strong { color: var(--accent); }
 details { margin: .4rem 0 1rem; }
 summary { cursor: pointer; color: var(--muted); }

@@ -8,13 +8,15 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from trainbridge.records import Intent
 from trainbridge.tools.report.page import escape_cell
-from trainbridge.tools.report.claims import ms
+from trainbridge.tools.report.claims import ci_label, ms
 from trainbridge.tools.report.rounds_svg import gate_rounds_svg, look_positions
 from trainbridge.tools.tables import INTENT_COLUMNS, intent_cells
 
 UNMEASURED = "speed unmeasured (no NPU)"
 DETAIL_CHARS = 240  # a candidate's message in its table cell; the whole message is in run.json
+INTENT_ROWS = 12  # intents shown in the open table; the untried ones past them go in a collapsed block
 DIFF_LINES = 400  # lines of an accepted commit's diff shown in the report (`git show SHA` has the rest)
 
 
@@ -27,11 +29,20 @@ def clip_words(text: str, limit: int) -> str:
     return cut.rstrip(" ,;:") + " …"
 
 
-def table(header: list[str], rows: list[list[str]], align: list[str] | None = None) -> list[str]:
-    """A markdown table; every cell escaped so that it renders as exactly its text."""
+def table(header: list[str], rows: list[list[str]], align: list[str] | None = None, code: tuple[int, ...] = ()) -> list[str]:
+    """A markdown table; every cell escaped so that it renders as exactly its text. Columns in `code` (identifiers: recipe
+    and outcome ids) are code spans, which the page keeps on one line (an id broke at every hyphen)."""
     marks = [("---:" if a == "right" else "---") for a in (align or ["left"] * len(header))]
     return (["| " + " | ".join(header) + " |", "|" + "|".join(marks) + "|"]
-            + ["| " + " | ".join(escape_cell(cell) for cell in row) + " |" for row in rows])
+            + ["| " + " | ".join(code_span(cell) if k in code else escape_cell(cell) for k, cell in enumerate(row)) + " |"
+               for row in rows])
+
+
+def code_span(text: str) -> str:
+    """`text` as a code span in a table cell (a plain escaped cell when it holds what a span cannot: a backtick, a bar)."""
+    if not text or text == "-" or "`" in text or "|" in text or "\n" in text:
+        return escape_cell(text)
+    return f"`{text}`"
 
 
 def accepted_commits(state: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
@@ -47,6 +58,8 @@ def accepted_commits(state: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
         lines.append(f"- commit: `{sha or 'not recorded'}` on `{state.get('run_branch')}`; recipe "
                      f"`{record.get('recipe_id') or 'LLM patch'}`; candidate `{record.get('candidate')}`")
         lines.append(f"- the gate: {_gate_figures(record)}")
+        if record.get("precision_change"):
+            lines.append(f"- **precision changes, review it**: {record['precision_change']}")
         gate = record.get("gate") or {}
         svg = gate_rounds_svg(gate, ratio=record.get("ratio"), ratio_ci=record.get("ratio_ci"),
                               title=f"gate rounds of commit {number} ({record.get('category')}, {sha[:12]})")
@@ -67,7 +80,7 @@ def _gate_figures(record: dict[str, Any]) -> str:
     if record.get("ratio"):
         parts.append(f"step-time ratio {record['ratio']:.3f}")
     if record.get("ratio_ci"):
-        parts.append(f"95% CI {record['ratio_ci'][0]:.3f}–{record['ratio_ci'][1]:.3f}")
+        parts.append(f"{ci_label(record)} {record['ratio_ci'][0]:.3f}–{record['ratio_ci'][1]:.3f}")
     if gate.get("rounds"):
         parts.append(f"{gate['rounds']} interleaved rounds")
     if gate.get("busy_rounds"):
@@ -95,6 +108,16 @@ def diff_details(diff: str, sha: str) -> list[str]:
     return ["<details><summary>" + summary + "</summary>", "", fence + "diff", *shown, fence, "", "</details>", ""]
 
 
+def intent_record(intent: Intent, site: str | None) -> dict[str, Any]:
+    """What the run keeps of every intent an analysis found (the state's `intent_evidence`), enough for the intents
+    table to show it as `trainbridge analyze` does: an intent in a library keeps its library location beside its call
+    sites (without it the table showed only the user's line), `site` is its code's digest (agents/retrieval/sites.py)."""
+    return {"category": str(intent.category), "spans": [str(s) for s in intent.spans],
+            "library": intent.library.model_dump(mode="json") if intent.library is not None else None,
+            "evidence": intent.evidence.model_dump(mode="json"), "confidence": intent.confidence,
+            "estimated_saving_us": intent.estimated_saving_us, "site": site}
+
+
 def intents_section(state: dict[str, Any]) -> list[str]:
     """Every intent the run's analyses found, as `trainbridge analyze` tabulates them, with what the run did about it."""
     found = dict(state.get("intent_evidence") or {})
@@ -108,18 +131,30 @@ def intents_section(state: dict[str, Any]) -> list[str]:
             what = f"accepted {(record.get('sha') or '')[:12]}" if record.get("accepted") else str(record.get("reason"))
             outcome.setdefault(record["intent_id"], []).append(what)
     done = set(state.get("done_intents") or [])
-    rows = []
+    rows, untried = [], []
     for rank, (intent_id, intent) in enumerate(found.items(), start=1):
-        did = ", ".join(outcome.get(intent_id, [])) or ("done, nothing applied" if intent_id in done else "not tried")
-        rows.append([*intent_cells(rank, intent), did])
+        did = counted(outcome.get(intent_id, [])) or ("done, nothing applied" if intent_id in done else "not tried")
+        (untried if did == "not tried" and len(rows) >= INTENT_ROWS else rows).append([*intent_cells(rank, intent), did])
     header = [name for name, _ in INTENT_COLUMNS] + ["this run"]
     align = [justify for _, justify in INTENT_COLUMNS] + ["left"]
-    return ["## Intents", "", "What the analyses found (K vs N: reference kernels vs eager ops per step on those lines; "
-            "savings are estimates, never measurements) and what the run did about each.", "", *table(header, rows, align), ""]
+    lines = ["## Intents", "", "What the analyses found (K vs N: reference kernels vs eager ops per step on those lines; "
+             "savings are estimates, never measurements) and what the run did about each.", "", *table(header, rows, align), ""]
+    if untried:  # a long tail of intents nobody tried buried the ones the run worked on (40 rows in a records run)
+        lines += [f"<details><summary>{len(untried)} more intent(s) the run did not try</summary>", "",
+                  *table(header, untried, align), "", "</details>", ""]
+    return lines
+
+
+def counted(outcomes: list[str]) -> str:
+    """Outcomes in the order first seen, a repeated one once with its count ('not_applicable ×3, accepted 1a2b3c')."""
+    seen: dict[str, int] = {}
+    for what in outcomes:
+        seen[what] = seen.get(what, 0) + 1
+    return ", ".join(what if times == 1 else f"{what} ×{times}" for what, times in seen.items())
 
 
 def candidates_section(state: dict[str, Any]) -> list[str]:
-    lines = ["## Candidates", "", "| # | intent | recipe | verdict | ratio (CI) | detail |", "|---|---|---|---|---|---|"]
+    lines = ["## Candidates", "", "| # | intent | recipe | verdict | ratio (CI) | detail |", "|---:|---|---|---|---:|---|"]
     for number, record in enumerate(state.get("verdicts") or [], start=1):
         ratio = "-" if record.get("ratio") is None else f"{record['ratio']:.3f}"
         if record.get("ratio_ci"):
@@ -127,6 +162,8 @@ def candidates_section(state: dict[str, Any]) -> list[str]:
         if record.get("reason") == "speed_unmeasured_numerics_ok":
             ratio = UNMEASURED
         detail = escape_cell(clip_words(record.get("message") or "", DETAIL_CHARS))
+        if record.get("precision_change"):  # the whole sentence: it is what a reviewer checks
+            detail = f"**precision changes, review it**: {escape_cell(record['precision_change'])} {detail}"
         lines.append(f"| {number} | {record.get('category')} | {record.get('recipe_id') or '-'} | "
                      f"{'accepted' if record.get('accepted') else record.get('reason')} | {ratio} | {detail} |")
     return lines + [""]
@@ -140,11 +177,19 @@ def eager_ops_line(state: dict[str, Any]) -> str | None:
     landed = [v.get("sha") for v in state.get("verdicts") or [] if v.get("sha")]
     if not landed:
         return f"Eager ops per step: {before} (nothing was committed, so the final head is the original)."
+    head = analysed_head_name(state)
     if final_head_analysed(state):
-        return (f"Eager ops per step: {before} before, {state['eager_ops_now']} after (an analysis of the final head "
-                f"`{landed[-1][:12]}`).")
-    return (f"Eager ops per step: {before} before; the final head was not re-analysed after its last commit "
+        return (f"Eager ops per step: {before} before, {state['eager_ops_now']} after (an analysis of the {head} "
+                f"`{landed[-1][:12]}`{'; numerics verified, speed unmeasured' if head == 'pending head' else ''}).")
+    return (f"Eager ops per step: {before} before; the {head} was not re-analysed after its last commit "
             f"`{landed[-1][:12]}`, so there is no after figure.")
+
+
+def analysed_head_name(state: dict[str, Any]) -> str:
+    """'final head', or 'pending head' when the last commit waits on the pending branch (an NPU target without one)."""
+    landed = [v for v in state.get("verdicts") or [] if v.get("sha")]
+    pending = bool(landed) and landed[-1].get("reason") == "speed_unmeasured_numerics_ok"
+    return "pending head" if pending else "final head"
 
 
 def final_head_analysed(state: dict[str, Any]) -> bool:
@@ -168,12 +213,16 @@ def knowledge_section(kb_stats: dict[str, Any] | None, kb_added: list[dict[str, 
         rows = [[str(entry.get("kind", "outcome")), str(entry.get("id")), str(entry.get("recipe_id") or "-"),
                  str(entry.get("category") or "-"), clip_words(str(entry.get("verdict") or "-"), 80),
                  "-" if entry.get("ratio") is None else f"{entry['ratio']:.3f}"] for entry in added]
-        lines += ["", *table(["kind", "id", "recipe", "category", "verdict", "ratio"], rows)]
+        lines += ["", *table(["kind", "id", "recipe", "category", "verdict", "ratio"], rows, code=(2,))]  # ids are long: they wrap
     return lines + [""]
 
 
-def loop_cost(state: dict[str, Any]) -> list[str]:
-    times = state.get("phase_times") or []
+def loop_cost(state: dict[str, Any], closing: dict[str, float] | None = None) -> list[str]:
+    """Every phase's wall time: the nodes so far and `closing`, the report node's own measurements before it writes the
+    report (the closing comparison, or the final head's one plain measurement), which were left out."""
+    times = list(state.get("phase_times") or [])
+    if closing:
+        times.append({"node": "report", "wall_s": sum(closing.values()), "parts": closing})
     if not times:
         return []
     totals: dict[str, list[float]] = {}
@@ -186,6 +235,7 @@ def loop_cost(state: dict[str, Any]) -> list[str]:
     for node, walls in totals.items():
         detail = ", ".join(f"{k.split('.', 1)[1]} {v:.1f} s" for k, v in parts.items() if k.startswith(node + "."))
         lines.append(f"| {node} | {len(walls)} | {sum(walls):.1f} s | {detail or '-'} |")
+    lines.append(f"| all phases | {len(times)} | {sum(e['wall_s'] for e in times):.1f} s | - |")
     accepted = len(state.get("accepted") or [])
     tried = state.get("candidates_tried") or 0
     lines += ["", f"Candidates tried per accepted commit: {tried / accepted:.1f}." if accepted else
@@ -193,5 +243,5 @@ def loop_cost(state: dict[str, Any]) -> list[str]:
     return lines
 
 
-__all__ = ["UNMEASURED", "accepted_commits", "candidates_section", "clip_words", "eager_ops_line", "final_head_analysed",
+__all__ = ["UNMEASURED", "accepted_commits", "analysed_head_name", "candidates_section", "clip_words", "eager_ops_line", "final_head_analysed",
            "intents_section", "knowledge_section", "loop_cost", "ms"]
