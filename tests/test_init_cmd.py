@@ -129,6 +129,29 @@ def test_with_script_mode_the_check_goes_through_the_measure_path(tmp_path, monk
     assert (root / "trainbridge.toml").exists()
 
 
+def test_a_check_that_fails_exits_1_with_its_cause_and_keeps_the_file(tmp_path, monkeypatch):
+    """The toml is written, but its own check did not pass: exit 1 (as `measure` does for a failed run), with the
+    one-line cause. A tiny script that stops before its first step; one real check (a sandbox child, a few seconds)."""
+    from trainbridge.sandbox.workload import WorkloadConfig
+
+    if "launch" not in WorkloadConfig.model_fields:
+        pytest.skip("no script mode: init cannot check a launch line")
+    monkeypatch.setattr(init_cmd, "script_mode_available", lambda: True)
+    root = tmp_path / "broken"
+    root.mkdir()
+    (root / "README.md").write_text("```\npython train.py\n```\n")
+    (root / "train.py").write_text(
+        "import torch\n\nif __name__ == \"__main__\":\n    model = torch.nn.Linear(2, 1)\n"
+        "    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n    raise ValueError(\"the shards are not prepared\")\n"
+        "    for _ in range(10):\n        model(torch.ones(2)).sum().backward()\n        opt.step()\n")
+    result = init(root, "--yes")
+    assert result.exit_code == 1, result.output
+    assert "the check failed" in result.output
+    cause = [line for line in result.output.splitlines() if line.startswith("cause: ")]
+    assert len(cause) == 1 and "ValueError: the shards are not prepared" in cause[0], result.output
+    assert tomllib.loads((root / "trainbridge.toml").read_text())["launch"] == "python train.py"  # written all the same
+
+
 def test_init_is_listed_by_help():
     result = CliRunner().invoke(build_app(), ["--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0 and re.search(r"init\s+Find the training script", result.output)

@@ -195,7 +195,7 @@ def test_with_only_a_gpu_line_init_writes_the_device_override_that_makes_it_run(
 def test_a_check_that_misses_its_data_names_the_file_and_the_preparation_and_tries_no_other_line(tmp_path):
     user = nanogpt_style(tmp_path / "user", data=False)
     result = init(user, "--yes")
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # written, but its check did not pass
     assert "cause: a file it reads is missing: data/shakespeare_char/meta.pkl; fix: run the repository's data preparation " \
            "first (python data/shakespeare_char/prepare.py, in your checkout)" in result.output
     assert "trying the next launch line" not in result.output and "shrink it under" not in result.output

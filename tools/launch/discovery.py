@@ -14,13 +14,19 @@ both, such as a Trainer object whose run() trains; or a library's trainer runs i
 `transformers.Trainer(...).train()` or Lightning's `Trainer(...).fit(...)`), with no launch line written anywhere. Without CUDA on
 the host, a line naming the CPU (`--device=cpu`) goes before the lines of its score. A line only counts when its script is in the repository and trains; a script that
 runs but never steps an optimizer (it evaluates, samples, prepares data) is a near miss, reported
-with what it lacks. Everything is read from files (markdown, shell, Python through `ast`): nothing
-of the repository runs here.
+with what it lacks. A line written in a subfolder's README (`python main.py` in word_language_model/)
+is named from the root and runs from that folder (`workdir`), as does a script that opens a file
+found beside it (tools/launch/workdir.py). Lines that cannot run as written rank lower: values to
+fill in (`[PATH_TO_DATA]`), `-h`, and lines without the flag that turns on a script's only optimizer
+(`--use-optimizer`). `with_best(found, chosen)` re-reads settings and data for a line other than
+the best. Everything is read from files (markdown, shell, Python through `ast`): nothing of the
+repository runs here.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from enum import StrEnum
 from pathlib import Path
@@ -30,7 +36,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from trainbridge.tools.launch.not_inputs import not_an_input
 from trainbridge.tools.git.ignore_rules import IgnoreRules
 from trainbridge.tools.launch.lines import ParsedLaunch, lines_in_markdown, lines_in_shell, parse_launch
-from trainbridge.tools.launch.script_facts import LIBRARY_SETTING_CALLS, SIZE_NAMES, ScriptFacts, SettingHint, read_script_facts
+from trainbridge.tools.launch.config_tree import config_tree_settings
+from trainbridge.tools.launch.script_facts import (LIBRARY_SETTING_CALLS, SIZE_NAMES, ScriptFacts, SettingHint, module_file,
+                                                   read_script_facts)
+from trainbridge.tools.launch.workdir import own_folder
 
 _SKIPPED_DIRS = {".git", ".venv", "venv", "env", "node_modules", "__pycache__", "site-packages", "build", "dist",
                  ".tox", ".mypy_cache", ".pytest_cache", "wandb"}
@@ -79,6 +88,7 @@ class LaunchCandidate(_Record):
     score: float
     reasons: list[str]
     device: str | None = None  # the device the line names (`--device=cpu`: "cpu"; `--device cuda:0`: "cuda"), if any
+    workdir: str | None = None  # the folder it runs from (relative to the root) when not the root: see `_own_folder`
 
 
 class NearMiss(_Record):
@@ -141,12 +151,7 @@ def discover_launch(repo: Path, *, cuda: bool = True) -> Discovery:
     goes before the lines of the same score that do not (a README's GPU line written before its CPU line)."""
     root = Path(repo).resolve()
     files = repository_files(root)
-    facts: dict[str, ScriptFacts] = {}
-
-    def facts_of(rel: str) -> ScriptFacts | None:
-        if rel not in facts and (root / rel).is_file():
-            facts[rel] = read_script_facts(root, rel)
-        return facts.get(rel)
+    facts_of = _facts_reader(root)
 
     def training_of(rel: str) -> str | None:
         """Why `rel` counts as a training script, or None: it builds an optimizer and calls .backward()
@@ -162,7 +167,7 @@ def discover_launch(repo: Path, *, cuda: bool = True) -> Discovery:
                     "the optimizer and calls .backward()")
         if script_facts.optimizer_lines:
             for module in script_facts.imports:
-                imported = _module_file(root, rel, module)
+                imported = module_file(root, rel, module)
                 helper = facts_of(imported) if imported else None
                 if helper is not None and helper.backward_lines:
                     return f"{rel} builds an optimizer; .backward() is called in {imported}:{helper.backward_lines[0]}"
@@ -184,6 +189,11 @@ def discover_launch(repo: Path, *, cuda: bool = True) -> Discovery:
                 continue
             script = _resolve_script(root, rel, parsed.script)
             where = f"{rel}:{number}"
+            workdir = None
+            if script is not None and script != Path(parsed.script).as_posix().removeprefix("./") \
+                    and not (root / parsed.script).is_file():  # `python main.py` in word_language_model/README.md
+                workdir = Path(rel).parent.as_posix()
+                parsed = _from_root(parsed, script)
             if script is None:
                 skipped.append(f"{where} `{command}`: {parsed.script} is not in the repository")
                 continue
@@ -193,7 +203,7 @@ def discover_launch(repo: Path, *, cuda: bool = True) -> Discovery:
                 skipped.append(f"{where} `{command}`: {script} {why}")
                 continue
             _add(found, parsed, script, LaunchEvidence(kind=EvidenceKind(kind), file=rel, line=number, text=command),
-                 root, facts_of, training_of(script))
+                 root, facts_of, training_of(script), workdir=workdir)
 
     near: list[NearMiss] = []
     for rel in files:
@@ -213,10 +223,13 @@ def discover_launch(repo: Path, *, cuda: bool = True) -> Discovery:
                                       torchrun=True, nproc=1, notes=["it reads RANK/WORLD_SIZE from the environment without a "
                                                                      "default: torchrun sets them (one process here)"])
             else:
-                parsed = ParsedLaunch(argv=["python", rel], script=rel, script_args=[])
+                flags = _optimizer_switches(script_facts)[:1]  # a script that trains by hand unless told: turn it on
+                parsed = ParsedLaunch(argv=["python", rel, *flags], script=rel, script_args=flags,
+                                      notes=[f"{flags[0]} turns its optimizer on" for _ in flags])
             _add(found, parsed, rel, LaunchEvidence(kind=EvidenceKind.script_only, file=rel, line=line,
                                                     text=shlex.join(parsed.argv)), root, facts_of, training_of(rel))
 
+    found = {key: _own_folder(root, candidate, facts_of(candidate.script)) for key, candidate in found.items()}
     candidates = sorted(found.values(), key=lambda c: (-c.score, cuda or c.device != "cpu", c.evidence[0].file.count("/"),
                                                        c.evidence[0].file, c.evidence[0].line))
     if not cuda:
@@ -250,6 +263,30 @@ def line_device(argv: list[str]) -> str | None:
     return None
 
 
+def with_best(found: Discovery, chosen: LaunchCandidate) -> Discovery:
+    """`found` with `chosen` first and its settings, data paths and import roots read for it (init's choice of a
+    line other than the best: `--script`, or the number typed at the prompt)."""
+    if found.best is chosen:
+        return found
+    root = Path(found.repo)
+    discovery = Discovery(repo=found.repo, candidates=[chosen, *(c for c in found.candidates if c is not chosen)],
+                          near_misses=found.near_misses, skipped=found.skipped)
+    _describe_best(discovery, root, _facts_reader(root))
+    return discovery
+
+
+def _facts_reader(root: Path):
+    """`facts_of(rel)`: the ScriptFacts of a file of the repository (None when there is none), read once."""
+    facts: dict[str, ScriptFacts] = {}
+
+    def facts_of(rel: str) -> ScriptFacts | None:
+        if rel not in facts and (root / rel).is_file():
+            facts[rel] = read_script_facts(root, rel)
+        return facts.get(rel)
+
+    return facts_of
+
+
 def _cpu_first(candidate: LaunchCandidate, ranked: list[LaunchCandidate]) -> LaunchCandidate:
     """A CPU line, with the reason it goes before the lines of its score (this host has no CUDA)."""
     if candidate.device != "cpu" or not any(c.score == candidate.score and c.device != "cpu" for c in ranked):
@@ -279,12 +316,34 @@ def _trainer_of(root: Path, rel: str, script: ScriptFacts, facts_of) -> str | No
     trainer.py that builds the optimizer and calls .backward()), or None."""
     for name in sorted(script.called & set(script.bound)):
         for module in script.bound[name]:
-            imported = _module_file(root, rel, module)
+            imported = module_file(root, rel, module)
             helper = facts_of(imported) if imported else None
             if helper is not None and helper.optimizer_lines and helper.backward_lines:
                 return (f"{rel} calls {name} of {imported}, which builds an optimizer ({imported}:{helper.optimizer_lines[0]}) "
                         f"and calls .backward() ({imported}:{helper.backward_lines[0]})")
     return None
+
+
+def _from_root(parsed: ParsedLaunch, script: str) -> ParsedLaunch:
+    """The line with its script named from the repository's root (`python main.py` of word_language_model/README.md:
+    `python word_language_model/main.py`), for a launch line that runs from the folder it was written in."""
+    argv = list(parsed.argv)
+    index = next((i for i, word in enumerate(argv) if word == parsed.script), None)
+    if index is not None:
+        argv[index] = script
+    return ParsedLaunch(argv=argv, script=script, script_args=parsed.script_args, torchrun=parsed.torchrun, nproc=parsed.nproc,
+                        module=parsed.module, env=parsed.env, notes=parsed.notes)
+
+
+def _own_folder(root: Path, candidate: LaunchCandidate, script: ScriptFacts | None) -> LaunchCandidate:
+    """The candidate, run from its script's folder when the script is written to run there (`own_folder`). A line
+    written in a subfolder's README already runs from there."""
+    if candidate.workdir is not None or script is None:
+        return candidate
+    found = own_folder(root, candidate.script, script)
+    if found is None:
+        return candidate
+    return candidate.model_copy(update={"workdir": found[0], "reasons": [*candidate.reasons, found[1]]})
 
 
 def _resolve_script(root: Path, source: str, script: str) -> str | None:
@@ -296,21 +355,9 @@ def _resolve_script(root: Path, source: str, script: str) -> str | None:
     return None
 
 
-def _module_file(root: Path, importer: str, module: str) -> str | None:
-    """The repo-relative file of `module` as imported by `importer` (from its folder or the root)."""
-    level = len(module) - len(module.lstrip("."))
-    parts = [p for p in module.lstrip(".").split(".") if p]
-    bases = [(root / importer).parents[level - 1]] if level else [(root / importer).parent, root]
-    for base in bases:
-        for path in (base.joinpath(*parts).with_suffix(".py") if parts else None, base.joinpath(*parts, "__init__.py")):
-            if path is not None and path.is_file() and path.resolve().is_relative_to(root):
-                return path.resolve().relative_to(root).as_posix()
-    return None
-
-
 def _add(found: dict[tuple[str, ...], LaunchCandidate], parsed: ParsedLaunch, script: str, evidence: LaunchEvidence,
-         root: Path, facts_of, training: str) -> None:
-    key = tuple(parsed.argv)
+         root: Path, facts_of, training: str, *, workdir: str | None = None) -> None:
+    key = (*parsed.argv, f"workdir={workdir or ''}")
     if key in found:
         held = found[key]
         bonus = 0.5 if len(held.evidence) < 3 else 0.0
@@ -320,19 +367,57 @@ def _add(found: dict[tuple[str, ...], LaunchCandidate], parsed: ParsedLaunch, sc
     score = _KIND_SCORE[evidence.kind] + 3.0
     reasons = [f"{evidence.kind} at {evidence.where} (+{_KIND_SCORE[evidence.kind]:g})",
                f"{training} (+3)"]
+    if workdir:
+        reasons.append(f"written in {evidence.file} as `{evidence.text}`: it runs from {workdir}/ (workdir)")
     if Path(script).stem.startswith("train"):
         score += 0.5
         reasons.append("the script is named train* (+0.5)")
     if Path(evidence.file).name.lower().startswith("readme"):
         score += 0.25
         reasons.append("written in a README (+0.25)")
+    placeholders = [arg for arg in parsed.script_args if _placeholder(arg)]
+    if placeholders:  # `--word-vectors [PATH_TO_WORD_VECTORS]`, `--dist-url tcp://IP_OF_NODE0:FREEPORT`: not runnable as written
+        score -= 2.0
+        reasons.append(f"it has values to fill in ({', '.join(placeholders[:3])}) (-2)")
+    if any(arg in ("-h", "--help") for arg in parsed.script_args):  # `python main.py -h`: prints the options and exits
+        score -= 3.0
+        reasons.append("it asks for the help text (-h) and exits before training (-3)")
+    switches = _optimizer_switches(facts_of(script))
+    if switches:  # `if args.use_optimizer: optimizer = ...`: script mode times optimizer steps
+        on = [flag for flag in switches if any(arg == flag or arg.startswith(flag + "=") for arg in parsed.script_args)]
+        flagged = facts_of(script).optimizer_flags
+        where = f"{script}:{min(flagged.values())}"
+        if on:
+            score += 0.5
+            reasons.append(f"it passes {on[0]}, which turns on the optimizer ({where}) (+0.5)")
+        else:
+            score -= 1.0
+            reasons.append(f"without {' or '.join(switches)} it builds no optimizer ({where} is built only then; it updates "
+                           "the parameters by hand, and steps are timed from one optimizer step to the next) (-1)")
     configs = [arg for arg in parsed.script_args if arg.endswith(".py")
                and (facts := facts_of(_resolve_script(root, evidence.file, arg) or "")) is not None
                and facts.only_assignments]
     found[key] = LaunchCandidate(launch=shlex.join(parsed.argv), argv=parsed.argv, script=script,
                                  torchrun=parsed.torchrun, nproc=parsed.nproc, config_files=configs, env=parsed.env,
                                  evidence=[evidence], score=score, reasons=reasons + parsed.notes,
-                                 device=line_device(parsed.script_args))
+                                 device=line_device(parsed.script_args), workdir=workdir)
+
+
+_PLACEHOLDER = re.compile(r"[\[\]<>]|PATH_TO|\b[A-Z][A-Z0-9]*_[A-Z0-9_]+\b|\b(?:FREEPORT|HOSTNAME|YOUR_\w+)\b")
+
+
+def _placeholder(arg: str) -> bool:
+    """An argument a README leaves for the reader to fill in: `[PATH_TO_DATA]`, `<data-dir>`, `--world_size=WORLD_SIZE`."""
+    return bool(_PLACEHOLDER.search(arg.partition("=")[2] if arg.startswith("-") else arg))
+
+
+def _optimizer_switches(script: ScriptFacts | None) -> list[str]:
+    """The options (`--use-optimizer`) that turn on an optimizer the script builds only when asked (its argparse
+    options whose destination is the attribute an `if args.<x>:` around the optimizer tests)."""
+    if script is None or not script.optimizer_flags:
+        return []
+    return [hint.key for hint in script.settings if hint.kind == "argparse option" and hint.name in script.optimizer_flags
+            and hint.key.startswith("--")]
 
 
 def _describe_best(discovery: Discovery, root: Path, facts_of) -> None:
@@ -353,6 +438,8 @@ def _describe_best(discovery: Discovery, root: Path, facts_of) -> None:
             elif field_setting is None and callee in LIBRARY_SETTING_CALLS and keyword in SIZE_NAMES:  # TrainingArguments(max_steps=...)
                 settings[keyword] = Setting(name=keyword, value=value, kind="call keyword", where=f"{facts.path}:{line}",
                                             key=f"{callee}({keyword})")
+    for name, value, where, key in config_tree_settings(root, best.script, script, facts_of):  # `--trainer.max_iters=...`
+        settings[key] = Setting(name=name, value=value, kind="config argument", where=where, key=key)
     order = {name: i for i, name in enumerate(SIZE_NAMES)}
     discovery.settings = sorted(settings.values(), key=lambda s: (order.get(s.name, len(order)), s.where))
     how = []
@@ -360,6 +447,9 @@ def _describe_best(discovery: Discovery, root: Path, facts_of) -> None:
         how.append("configurator.py: --key=value arguments and config files override the module-level constants")
     if script.uses_argparse:
         how.append("argparse options")
+    if script.config_args_line is not None and any(s.kind == "config argument" for s in settings.values()):
+        how.append(f"--section.key=value arguments into its config tree ({best.script}:{script.config_args_line}: "
+                   "\"--trainer.max_iters\" = 10 under [overrides] appends --trainer.max_iters=10)")
     if any(s.kind == "dataclass field" for s in settings.values()):
         how.append("a hyperparameter dataclass (overrides of its defaults)")
     library = sorted({s.key.split("(")[0] for s in settings.values() if s.key.split("(")[0] in LIBRARY_SETTING_CALLS})
@@ -373,6 +463,9 @@ def _describe_best(discovery: Discovery, root: Path, facts_of) -> None:
     missing: list[str] = []
     for facts in sources:
         for text, _line in facts.path_strings:
+            if best.workdir and not text.startswith(("/", "~")) and ("/" in text.rstrip("/") or
+                                                                     os.path.lexists(root / best.workdir / text)):
+                text = os.path.normpath(Path(best.workdir, text)) + ("/" if text.endswith("/") else "")  # from its folder
             path = _ignored_root(text, rules)
             if path is None:
                 continue

@@ -1,6 +1,7 @@
 """The commented `trainbridge.toml` that `trainbridge init` writes from a `Discovery`.
 
     launch = "python train.py config/train_tiny_poems.py"   # the chosen launch line, with its evidence
+    workdir = "projects/chargpt"                            # when the script runs from its own folder
     data = ["data/"]                                        # read by the script, ignored by git
     # [overrides]                                           # left commented: what one could shrink
     # batch_size = 32            # constant, config/train_tiny_poems.py:4
@@ -78,6 +79,10 @@ def render_toml(found: Discovery, chosen: LaunchCandidate, *, today: date | None
         lines.append(f"# torchrun with {chosen.nproc or 'several'} processes per node: on a smaller machine lower "
                      "--nproc_per_node (2 gloo ranks on the CPU).")
     lines += [f"launch = {json.dumps(chosen.launch)}", ""]
+    if chosen.workdir:
+        lines += [f"# {chosen.script} is written to run from its own folder (what it opens is relative to it): runs start",
+                  "# it there, in the run's mirror of the repository (the launch line names the script from the root).",
+                  f"workdir = {json.dumps(chosen.workdir)}", ""]
     if found.pythonpath:
         lines += [f"# {chosen.script} imports packages of the repository from its root (installed with `pip install -e .`",
                   "# by its authors): the root joins the script's import path.",

@@ -3,7 +3,9 @@ or run): whether it runs as a script (an ``if __name__ == "__main__"`` block, or
 module level), whether it builds an optimizer and calls ``.backward()``, how it takes its settings
 (argparse arguments, a nanoGPT-style ``configurator.py`` that turns ``--key=value`` and config files
 into module globals, a dataclass of hyperparameters), the constants one could shrink it by, and the
-path strings it reads. A script whose loop a library runs (`transformers.Trainer(...).train()`, Lightning's
+path strings it reads. A minGPT-style config tree (`get_config()` returning `C` with `C.trainer.max_iters = ...`,
+sub-trees from `Trainer.get_default_config()`) read from `--trainer.max_iters=...` arguments
+(`config.merge_from_args(sys.argv[1:])`) is kept as `config_builders` and `config_args_line`. A script whose loop a library runs (`transformers.Trainer(...).train()`, Lightning's
 `Trainer(...).fit(...)`) builds no optimizer and calls no `.backward()` itself: `library_trainer` names the trainer.
 """
 
@@ -75,6 +77,15 @@ class ScriptFacts:
     only_assignments: bool = False  # a config file: nothing but `name = literal` lines
     library_trainer: str | None = None  # `transformers.Trainer`: a library's trainer runs the loop (built and .train()/.fit() called)
     library_trainer_line: int | None = None
+    # functions that build a config tree: "get_config" / "Trainer.get_default_config" -> its assignments to the tree it
+    # returns, in order: (attribute path, value source, line, mounted) where mounted is the dotted callee of
+    # `C.trainer = Trainer.get_default_config()` (a sub-tree) and None for a value
+    config_builders: dict[str, list[tuple[tuple[str, ...], str, int, str | None]]] = field(default_factory=dict)
+    config_args_line: int | None = None  # line of `config.merge_from_args(sys.argv[1:])`: --a.b=value arguments
+    # optimizers built only under `if args.use_optimizer:`: the attribute tested -> the optimizer's line (word-level
+    # language model examples update parameters by hand unless a flag turns the optimizer on)
+    optimizer_flags: dict[str, int] = field(default_factory=dict)
+    beside_file: set[str] = field(default_factory=set)  # path strings joined to the script's own folder (`__file__`)
     _trainer_calls: list[tuple[str, int]] = field(default_factory=list, repr=False)  # (dotted name, line) of `*Trainer(...)` calls
     _methods_called: set[str] = field(default_factory=set, repr=False)  # `x.train()`: "train"
     syntax_error: str | None = None
@@ -146,10 +157,86 @@ def read_script_facts(root: Path, rel: str) -> ScriptFacts:
                 and any(_is_environ(c) for c in node.comparators):
             defaulted = True
     facts.needs_torchrun = required_read and not defaulted
+    _find_config_builders(tree, facts)
+    _find_optimizer_flags(tree, facts)
+    for node in ast.walk(tree):  # os.path.join(os.path.dirname(__file__), "input.txt"), Path(__file__).parent / "x.bin"
+        if isinstance(node, (ast.Call, ast.BinOp)) and any(isinstance(n, ast.Name) and n.id == "__file__" for n in ast.walk(node)):
+            facts.beside_file |= {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
     _find_library_trainer(facts)
     if facts.configurator_line is not None:  # constants set after the configurator ran are no settings
         facts.settings = [s for s in facts.settings if s.kind != "constant" or s.line < facts.configurator_line]
     return facts
+
+
+_CONFIG_ARG_METHODS = ("merge_from_args",)  # minGPT's CfgNode: `--trainer.max_iters=10` arguments into the tree
+
+
+def _find_config_builders(tree: ast.Module, facts: ScriptFacts) -> None:
+    """Functions (module level, or methods of a module-level class) that make a config tree and return it:
+    `C = CN()`, then `C.a.b = value` and `C.sub = Other.get_default_config()`, then `return C`."""
+    scopes: list[tuple[str, ast.FunctionDef]] = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            scopes.append((node.name, node))
+        elif isinstance(node, ast.ClassDef):
+            scopes += [(f"{node.name}.{item.name}", item) for item in node.body if isinstance(item, ast.FunctionDef)]
+    for name, function in scopes:
+        returned = {n.value.id for n in ast.walk(function) if isinstance(n, ast.Return) and isinstance(n.value, ast.Name)}
+        made = {t.id for n in function.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and not n.value.args
+                and not n.value.keywords for t in n.targets if isinstance(t, ast.Name)}
+        root = next(iter(sorted(returned & made)), None)
+        if root is None:
+            continue
+        entries = []
+        for node in function.body:
+            if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+                continue
+            path = _attribute_path(node.targets[0], root)
+            if not path:
+                continue
+            value = node.value
+            mounted = _dotted(value.func) if isinstance(value, ast.Call) and not value.args and not value.keywords \
+                and _dotted(value.func).rsplit(".", 1)[-1].startswith("get_") else None
+            entries.append((path, ast.unparse(value), node.lineno, mounted))
+        if entries:
+            facts.config_builders[name] = entries
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _CONFIG_ARG_METHODS:
+            facts.config_args_line = node.lineno
+            break
+
+
+def _find_optimizer_flags(tree: ast.Module, facts: ScriptFacts) -> None:
+    """Optimizers built only when an option is set (`if args.use_optimizer: optimizer = torch.optim.AdamW(...)`),
+    when no optimizer is built unconditionally."""
+    flagged: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Attribute) and isinstance(node.test.value, ast.Name):
+            lines = {n.lineno for statement in node.body for n in ast.walk(statement) if isinstance(n, ast.Call)}
+            built = sorted(lines & set(facts.optimizer_lines))
+            if built:
+                flagged.setdefault(node.test.attr, built[0])
+    if flagged and set(facts.optimizer_lines) <= {line for line in facts.optimizer_lines if line in flagged.values()
+                                                   or _under_flag(tree, line, flagged)}:
+        facts.optimizer_flags = flagged
+
+
+def _under_flag(tree: ast.Module, line: int, flagged: dict[str, int]) -> bool:
+    """Whether the call on `line` sits in the body of an `if <name>.<flag>:` of `flagged`."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Attribute) and node.test.attr in flagged:
+            if any(isinstance(n, ast.Call) and n.lineno == line for statement in node.body for n in ast.walk(statement)):
+                return True
+    return False
+
+
+def _attribute_path(node: ast.expr, root: str) -> tuple[str, ...]:
+    """`C.trainer.max_iters` with root "C": ("trainer", "max_iters"); () for anything else."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return tuple(reversed(parts)) if isinstance(node, ast.Name) and node.id == root and parts else ()
 
 
 def _find_library_trainer(facts: ScriptFacts) -> None:
@@ -281,3 +368,15 @@ def imports_torch_npu(root: Path) -> bool:
         except OSError:
             continue
     return False
+
+
+def module_file(root: Path, importer: str, module: str) -> str | None:
+    """The repo-relative file of `module` as imported by `importer` (from its folder or the root)."""
+    level = len(module) - len(module.lstrip("."))
+    parts = [p for p in module.lstrip(".").split(".") if p]
+    bases = [(root / importer).parents[level - 1]] if level else [(root / importer).parent, root]
+    for base in bases:
+        for path in (base.joinpath(*parts).with_suffix(".py") if parts else None, base.joinpath(*parts, "__init__.py")):
+            if path is not None and path.is_file() and path.resolve().is_relative_to(root):
+                return path.resolve().relative_to(root).as_posix()
+    return None
