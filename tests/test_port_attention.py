@@ -399,3 +399,47 @@ def test_ported_attention_matches_the_original_under_the_emulation(emulated_runs
     torch.testing.assert_close(got["out"], want_out, atol=ATOL, rtol=RTOL)
     for got_grad, want_grad in zip(got["grads"], want_grads, strict=True):
         torch.testing.assert_close(got_grad, want_grad, atol=ATOL, rtol=RTOL)
+
+
+COMPILED_DOCUMENTS = """
+import sys
+import torch, torch_npu
+from torch._dynamo.utils import counters
+sys.path.insert(0, sys.argv[1])
+from flex_documents import attention
+
+compiled = torch.compile(attention)
+gen = torch.Generator().manual_seed(0)
+worst, layouts, graphs = 0.0, set(), []
+for eos_at in ([7, 30], [3], [12, 40, 41], [], [50]):
+    idx = torch.randint(0, 100, (64,), generator=gen)
+    idx[eos_at] = 50256
+    layouts.add(tuple(eos_at))
+    q, k, v = (torch.randn(1, 64, 2, 16, generator=gen).npu() for _ in range(3))
+    want = attention(q, k, v, idx.npu(), torch.tensor(24).npu())
+    got = compiled(q, k, v, idx.npu(), torch.tensor(24).npu())
+    worst = max(worst, (got - want).abs().max().item())
+    graphs.append(counters["stats"]["unique_graphs"])
+print("RESULT", worst, len(layouts), ",".join(map(str, graphs)))
+"""
+
+
+def test_a_compiled_document_mask_does_not_recompile_for_each_batch(tmp_path):
+    """The ported document mask under the program's own torch.compile (Modded-NanoGPT record 12 compiles its model):
+    each batch's document end offsets are host ints; read and passed inside the traced code, every new layout was
+    guarded as a new graph (`len(mask.ends) == 10`, `mask.ends[0] == 1`: a recompile a step, which ran the record's
+    host Inductor reference past its 900 s limit after 3 steps). They stay outside the graph now: five layouts, the
+    first layout's graphs only, the outputs of eager."""
+    from trainbridge.sandbox.npu_emulation import emulation_path
+
+    (tmp_path / "flex_documents.py").write_text(port_fixture("flex_documents").source)
+    (tmp_path / "driver.py").write_text(COMPILED_DOCUMENTS)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")}
+    env.update(OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0", PYTHONPATH=str(emulation_path()))
+    proc = subprocess.run([sys.executable, str(tmp_path / "driver.py"), str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    worst, layouts, graphs = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT")).split()[1:]
+    assert int(layouts) == 5 and float(worst) < 1e-6
+    graphs = [int(g) for g in graphs.split(",")]  # Dynamo's graphs after each layout: the first layout's only
+    assert len(set(graphs)) == 1, (graphs, proc.stderr[-3000:])

@@ -12,6 +12,10 @@ sparse_mode and pre/next_tockens are ignored, so every causal or windowed call p
 sparse_mode 4); FlexAttention's `q_idx >= kv_idx` is top-left causal (sparse_mode 2), flash-attn's
 causal bottom-right (sparse_mode 3). Documents and flash-attn's varlen batches become input_layout
 "TND" with cumulative end offsets (host ints: reading them is one device sync per mask or call).
+Those offsets change with every batch, so the code that reads and passes them runs outside a program's
+torch.compile (`torch.compiler.disable`): traced, each new document layout guarded a new graph, one
+recompile a step until Dynamo's limit (Modded-NanoGPT record 12's document mask under its own
+torch.compile(model), on the host's Inductor reference as on an NPU's graph backend).
 """
 
 import torch
@@ -61,6 +65,7 @@ class _TbNpuMask:
 
     def __init__(self, causal, window, ends, length):
         self.causal, self.window, self.ends, self.length = causal, window, ends, length
+        self.documents = ends is not None  # read where traced: `ends` is only read outside a compiled graph
 
 
 def _tb_npu_document_ends(docs):
@@ -74,8 +79,17 @@ def _tb_npu_document_ends(docs):
 
 def _tb_npu_mask(causal, window=None, docs=None, length=None):
     """The mask create_block_mask built from a mask_mod the port recognised; read now, as the original is."""
+    if docs is not None:
+        return _tb_npu_document_mask(causal, window, docs, length)
     window = None if window is None else _tb_npu_int(window)
-    ends = None if docs is None else _tb_npu_document_ends(docs.reshape(-1))
+    return _TbNpuMask(causal, window, None, None if length is None else _tb_npu_int(length))
+
+
+@torch.compiler.disable
+def _tb_npu_document_mask(causal, window, docs, length):
+    """A document mask: its end offsets are this batch's, read on the host outside any compiled graph."""
+    window = None if window is None else _tb_npu_int(window)
+    ends = _tb_npu_document_ends(docs.reshape(-1))
     return _TbNpuMask(causal, window, ends, None if length is None else _tb_npu_int(length))
 
 
@@ -107,9 +121,17 @@ def _tb_npu_flex_attention(query, key, value, score_mod=None, block_mask=None, s
     if mask.window is not None and query.shape[-2] != key.shape[-2]:
         raise NotImplementedError("a windowed flex_attention with query and key lengths that differ has no "
                                   "npu_fusion_attention band with FlexAttention's top-left origin: port it by hand")
-    if mask.ends is None:  # [B, H, S, D] of records is a transposed [B, S, H, D]: BSND reads it without a copy
+    documents = getattr(mask, "documents", None)  # None: a mask from an earlier port's copy of these helpers
+    if not (mask.ends is not None if documents is None else documents):
+        # [B, H, S, D] of records is a transposed [B, S, H, D]: BSND reads it without a copy
         q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
         return _tb_npu_band_attention(q, k, v, "BSND", scale, left, right, True).transpose(1, 2)
+    return _tb_npu_document_attention(query, key, value, mask, scale, left, right)
+
+
+@torch.compiler.disable
+def _tb_npu_document_attention(query, key, value, mask, scale, left, right):
+    """One sequence per document (TND): the batch's end offsets reach npu_fusion_attention outside any graph."""
     if query.shape[0] != 1 or mask.ends[-1] != query.shape[-2]:
         raise ValueError(f"a document mask over {mask.ends[-1]} tokens needs batch size 1 and that many queries, got "
                          f"query {tuple(query.shape)}")
@@ -149,6 +171,7 @@ def _tb_npu_varlen_ends(cu_seqlens_q, cu_seqlens_k, total_q, total_k):
     return seq_q, seq_k
 
 
+@torch.compiler.disable  # cu_seqlens change with every batch: read on the host outside any compiled graph
 def _tb_npu_flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                               softmax_scale=None, causal=False, window_size=(-1, -1), dropout_p=0.0,
                               deterministic=False):

@@ -133,6 +133,10 @@ NVIDIA_SMI_REASON = (
     "nvidia-smi does not exist on an Ascend host: `npu-smi info` is its counterpart (another output format), and "
     "torch.npu.device_count()/mem_get_info() answer from Python"
 )
+# what `["nvidia-smi"]`, the command of a subprocess call that only logs the GPUs, becomes: npu-smi's overview where
+# npu-smi is installed, else a command that prints that it is not (a CPU host running the emulation)
+SMI_COMMAND = ('["npu-smi", "info"] if __import__("shutil").which("npu-smi") else '
+               '[__import__("sys").executable, "-c", "print(\'npu-smi: not on this host\')"]')
 COMPILE_MODE_REASON = (
     "torch.compile mode {mode!r} selects CUDA graphs and/or Triton autotuning, which mean nothing on the NPU; "
     "drop the mode or compile with backend='npu' (TorchAir) and measure."

@@ -371,13 +371,29 @@ class Planner(cst.CSTVisitor):
     def visit_SimpleString(self, node: cst.SimpleString) -> None:
         value = node.evaluated_value
         if isinstance(value, str) and "nvidia-smi" in value:
-            self._skip(node, SkipCategory.cuda_api, surface.NVIDIA_SMI_REASON)
+            if not self._smi_command(node):
+                self._skip(node, SkipCategory.cuda_api, surface.NVIDIA_SMI_REASON)
         converted = convert_string(value) if isinstance(value, str) else None
         if converted:
             kind, new = converted
             code = f"{node.prefix}{node.quote}{new}{node.quote}"
             self.plan.strings[id(node)] = code
             self._change(node, kind, node.value, code)
+
+    def _smi_command(self, node: cst.SimpleString) -> bool:
+        """`["nvidia-smi"]` as a call's first argument (`subprocess.run(["nvidia-smi"], stdout=...)`, which the
+        Modded-NanoGPT records log): npu-smi's overview where npu-smi exists, else a no-op that says so, so the ported
+        program runs on an Ascend host and under the emulation. Other nvidia-smi uses (queries, a shell string) are
+        reported: their output format has no NPU counterpart."""
+        element = self._parent(node)
+        listed = self._parent(element) if isinstance(element, cst.Element) else None
+        arg = self._parent(listed) if isinstance(listed, cst.List) and len(listed.elements) == 1 else None
+        call = self._parent(arg) if isinstance(arg, cst.Arg) and arg.keyword is None else None
+        if node.evaluated_value != "nvidia-smi" or not isinstance(call, cst.Call) or call.args[0] is not arg:
+            return False
+        self.plan.exprs[id(listed)] = cst.parse_expression(surface.SMI_COMMAND)
+        self._change(node, ChangeKind.smi_command, self._code(listed), surface.SMI_COMMAND)
+        return True
 
     def visit_FormattedString(self, node: cst.FormattedString) -> None:
         head = node.parts[0] if node.parts else None

@@ -26,6 +26,7 @@ class ChangeKind(StrEnum):
     flex_attention = "flex_attention"  # flex_attention(...) -> _tb_npu_flex_attention(...) on npu_fusion_attention
     flex_block_mask = "flex_block_mask"  # create_block_mask / BlockMask.from_kv_blocks of a causal/window/document mask_mod
     flash_attention = "flash_attention"  # flash_attn_func / flash_attn_varlen_func (flash-attn, FA3, kernels hub) -> npu_fusion_attention
+    smi_command = "smi_command"  # subprocess ["nvidia-smi"] -> ["npu-smi", "info"] where npu-smi exists, else a no-op
     attention_fullgraph = "attention_fullgraph"  # torch.compile(..., fullgraph=True) -> False where carried attention reads the host
 
 
