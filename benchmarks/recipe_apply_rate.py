@@ -38,6 +38,7 @@ from trainbridge.agents.analyst.static.scan import scan_repo
 from trainbridge.records import Intent
 from recipe_lab import REAL_STYLE, RECIPES, Case, Lab, apply_case, assert_within, compare
 from trainbridge.tools.codemods import scopes
+from trainbridge.tools.codemods.library_patch import fits as library_patch_fits
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAST_RESORT = {"cpu": "compile-regional", "cuda": "compile-regional"}
@@ -80,7 +81,10 @@ class IntentRow:
 
 
 def _queue(intent: Intent, target: str) -> list[str]:
-    own = [r.id for r in RECIPES.values() if str(r.category) == str(intent.category) and target in {t.value for t in r.targets}]
+    # as retrieval queues them (agents/retrieval/choose.own_recipes): a library patch only for the library function it
+    # replaces, never for the user's own code
+    own = [r.id for r in RECIPES.values() if str(r.category) == str(intent.category) and target in {t.value for t in r.targets}
+           and (r.match.kind != "library_patch" or library_patch_fits(r, intent.library))]
     if own:
         return own
     last = LAST_RESORT.get(target)

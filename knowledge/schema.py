@@ -38,7 +38,9 @@ declares the parameters it needs; ``$name`` in a parameter string binds a placeh
   ``alternatives`` (syntactic forms: the fast path), and for a function matched by behaviour
   ``candidates`` (replacements, tried in order) with ``probe`` (input shape sets, ``{x: {shape: [..],
   dtype: float32}}``): the coder runs the function and each candidate in a sandboxed child and writes
-  in the first one whose outputs and input gradients agree (agents/coder/semantic_match.py).
+  in the first one whose outputs and input gradients agree (agents/coder/semantic_match.py). A ``module_forward``
+  matched so runs on a stand-in module holding its ``attributes`` (probe inputs ``self_<name>``); ``buffers`` names
+  attributes the class must not make parameters.
 
 - ``statements``: a sequence of statement patterns matched against consecutive statements of one
   block inside the span (a metavariable binds the same code in every statement it appears in)::
@@ -232,13 +234,21 @@ class Numerics(_Model):
     loss_rtol: float | None = Field(default=None, ge=0, description="relative loss drift allowed over the check steps")
     grad_cosine_min: float | None = Field(default=None, gt=0, le=1, description="per-parameter gradient cosine floor, "
                                           "when the gate's default (0.9999) is tighter than the rewrite's rounding allows")
+    timed_delta_cosine_min: float | None = Field(default=None, gt=0, le=1, description=(
+        "per-parameter floor on the cosine of its change over the timed steps, candidate vs baseline, when the gate's "
+        "default (0.99) is tighter than the rewrite's rounding allows once an optimizer amplifies it (never below the "
+        "gate's own floor for a drifting baseline, 0.9)"))
+    precision_change: str | None = Field(default=None, min_length=10, description=(
+        "how the rewrite rounds differently from the original (a fused kernel computing in fp32 and rounding once, a "
+        "reassociated product): a rewrite that passes is flagged for review with this sentence in the run's report"))
 
     @model_validator(mode="after")
     def _check_class(self) -> "Numerics":
         if self.class_ == "tolerance" and (self.rtol is None or self.atol is None):
             raise ValueError("class 'tolerance' needs rtol and atol")
-        if self.class_ == "exact" and any(v is not None for v in (self.rtol, self.atol, self.loss_rtol, self.grad_cosine_min)):
-            raise ValueError("class 'exact' takes no rtol/atol/loss_rtol/grad_cosine_min")
+        if self.class_ == "exact" and any(v is not None for v in (self.rtol, self.atol, self.loss_rtol, self.grad_cosine_min,
+                                                                   self.timed_delta_cosine_min, self.precision_change)):
+            raise ValueError("class 'exact' takes no rtol/atol/loss_rtol/grad_cosine_min/timed_delta_cosine_min/precision_change")
         return self
 
 

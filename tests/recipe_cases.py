@@ -132,7 +132,12 @@ CASES: list[Case] = [
     Case("rmsnorm-library-npu", "variant_qknorm", "npu", "rmsnorm", nth=2, scan_target="npu"),  # inside self.up(...) in a call chain
     Case("rope-halves-npu-rotary-mul", "variant_qknorm", "npu", "rope"),
     Case("attention-sdpa-npu-fusion", "variant_qknorm", "npu", "attention", scan_target="npu"),
+    # the Muon optimizer's Newton-Schulz step in both associations of the records (issue 28)
+    Case("newton-schulz-addmm-npu", "variant_muon", "npu", function="net.py:orthogonalise_early"),
+    Case("matmul-blend-addmm-npu", "variant_muon", "npu", function="net.py:orthogonalise_late"),
+    Case("rmsnorm-expression-npu-rms-norm", "variant_muon", "npu", "rmsnorm", scan_target="npu"),
     Case("rope-function-npu-rotary-mul", "variant_qknorm", "npu", function="net.py:rotate_pairs"),  # by behaviour
+    Case("rope-method-npu-rotary-mul", "real_speedrun", "npu", "rope"),  # Rotary.forward over its own buffers, by behaviour
     Case("rope-complex-npu-rotary-mul", "variant_polar", "npu", "rope"),  # view_as_complex(x) * polar freqs, by behaviour
     Case("rope-halves-npu-rotary-mul", "variant_qknorm", "npu", "rope", expect="diverges",
          mutate=("-torch.cat(($s, $s)", "torch.cat(($s, $s)")),  # the rotation's direction: r2 = -sin

@@ -288,3 +288,16 @@ def test_the_emulated_npu_has_no_torchair():
     assert host_capabilities("cpu") == frozenset()
     if npu_emulated():
         assert host_capabilities("npu") == frozenset()
+
+
+def test_precision_change_is_a_tolerance_recipes_sentence_and_the_npu_norms_carry_it():
+    from trainbridge.knowledge.schema import Numerics
+
+    with pytest.raises(ValueError, match="precision_change"):
+        Numerics.model_validate({"class": "exact", "precision_change": "rounds once where the original rounds per op"})
+    flagged = Numerics.model_validate({"class": "tolerance", "rtol": 1e-2, "atol": 1e-5,
+                                       "precision_change": "rounds once where the original rounds per op"})
+    assert flagged.precision_change.startswith("rounds once")
+    recipes = {r.id: r for r in load_recipe_dir(SEED_DIR)}
+    assert recipes["rmsnorm-library-npu"].numerics.precision_change  # fp32 compute, one rounding: flagged for review
+    assert recipes["sgd-npu-fused"].numerics.precision_change is None

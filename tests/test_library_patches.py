@@ -3,12 +3,15 @@ LlamaRMSNorm.forward or apply_rotary_pos_emb, the coder writes `trainbridge_patc
 one import line into it; the patched model trains like the library's (loss and gradients), a second patch lands in
 the same module, and a library version outside the recipe's range is refused by the coder and left alone by the
 module. The tiny HF Llama script repo and its intents are tests/test_library_regions.py's (a model from a config,
-random weights, never a download); the NPU patches run in a child with the emulated torch_npu on its path.
+random weights, never a download); the NPU patches run in a child with the emulated torch_npu on its path. A tiny
+transformers ViT (VIT_STEPS, eager attention) takes its attention and layer patches the same way (transformers' ViT,
+not timm's: timm imports torchvision, whose PyPI wheel does not import beside the CPU torch).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -28,6 +31,7 @@ from transformers.models.llama import modeling_llama  # noqa: E402
 
 from trainbridge.agents.analyst import affinity  # noqa: E402
 from trainbridge.agents.analyst.align import align  # noqa: E402
+from trainbridge.agents.analyst.library_scan import scan_library_regions  # noqa: E402
 from trainbridge.agents.coder.candidate import Candidate, CoderRefusal, make_candidate  # noqa: E402
 from trainbridge.agents.retrieval.choose import own_recipes  # noqa: E402
 from trainbridge.knowledge.schema import load_recipe_dir  # noqa: E402
@@ -44,7 +48,7 @@ SCRIPT = "hf_steps.py"
 
 @pytest.fixture(scope="module")
 def intents(tmp_path_factory) -> dict[str, Intent]:
-    """The rmsnorm and rope intents the analyst finds in the library for the fixture's training step."""
+    """The rmsnorm, rope and swiglu intents the analyst finds in the library for the fixture's training step."""
     root = tmp_path_factory.mktemp("hf-profile")
     shutil.copy(FIXTURE / "repo" / SCRIPT, root / SCRIPT)
     spec = importlib.util.spec_from_file_location("hf_steps_for_patches", root / SCRIPT)
@@ -53,6 +57,9 @@ def intents(tmp_path_factory) -> dict[str, Intent]:
     table = record_eager_ops(module.make_parts(), root, steps=1, warmup=1)
     found = {str(i.category): i for i in align(affinity.detect(table, "AdamW"), table) if i.library is not None}
     assert {"rmsnorm", "rope"} <= set(found), [i.where() for i in found.values()]
+    # the model's default attention (SDPA): the NPU target's library scan finds it in transformers' integration
+    found["sdpa_attention"] = next(i for i in scan_library_regions(table, target="npu")[0] if i.category == "attention")
+    found["swiglu"] = next(i for i in scan_library_regions(table, target="cpu")[0] if i.category == "swiglu")  # LlamaMLP
     return found
 
 
@@ -113,6 +120,59 @@ def test_the_rmsnorm_patch_is_a_module_and_an_import_line_and_trains_like_the_li
     assert patches.INSTALLED == ["transformers.models.llama.modeling_llama.LlamaRMSNorm.forward"]
     assert modeling_llama.LlamaRMSNorm.forward.__trainbridge_original__ is original
     loss, grads = _loss_and_grads(patched_steps)
+    assert loss == pytest.approx(base_loss, rel=1e-5)
+    for name, grad in base_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_rotary_runs_the_librarys_own_function_under_torch_compile_on_the_cpu(tmp_path, intents, monkeypatch):
+    """No fused rotary API on cpu/cuda: the rope patch compiles apply_rotary_pos_emb alone (the last rung for a library
+    region). The compile runs on aot_eager here (no C++ build on 2 busy cores); the gate compiles with Inductor."""
+    import functools
+
+    rope = intents["rope"]
+    assert own_recipes(_Kb(), rope, "cpu", None)[0] == "rope-hf-llama-patch-compile"
+    assert own_recipes(_Kb(), rope, "npu", None)[0] == "rope-hf-llama-patch-npu"
+    made = make_candidate(workspace(_repo(tmp_path / "user"), tmp_path), rope, RECIPES["rope-hf-llama-patch-compile"])
+    assert isinstance(made, Candidate), made
+    tree = Path(made.worktree)
+    base_loss, base_grads = _loss_and_grads(_load(FIXTURE / "repo" / SCRIPT, "hf_steps_rope_unpatched"))
+    original = modeling_llama.apply_rotary_pos_emb
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", original)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    monkeypatch.syspath_prepend(str(tree))
+    monkeypatch.delitem(sys.modules, "trainbridge_patches", raising=False)
+    patched_steps = _load(tree / SCRIPT, "hf_steps_rope_patched")
+    monkeypatch.delitem(sys.modules, "trainbridge_patches")
+    patched = modeling_llama.apply_rotary_pos_emb
+    assert patched.__trainbridge_original__ is original
+    loss, grads = _loss_and_grads(patched_steps)
+    assert patched.compiled is not None  # compiled on the first call, by the model's attention
+    assert loss == pytest.approx(base_loss, rel=1e-5)
+    for name, grad in base_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_gated_silu_runs_the_librarys_own_mlp_under_torch_compile_on_the_cpu(tmp_path, intents, monkeypatch):
+    """LlamaMLP.forward (the activation region: act_fn(gate_proj(x)) * up_proj(x)) compiled alone, aot_eager here."""
+    import functools
+
+    swiglu = intents["swiglu"]
+    assert own_recipes(_Kb(), swiglu, "cpu", None)[0] == "swiglu-hf-llama-patch-compile"
+    made = make_candidate(workspace(_repo(tmp_path / "user"), tmp_path), swiglu, RECIPES["swiglu-hf-llama-patch-compile"])
+    assert isinstance(made, Candidate), made
+    tree = Path(made.worktree)
+    base_loss, base_grads = _loss_and_grads(_load(FIXTURE / "repo" / SCRIPT, "hf_steps_mlp_unpatched"))
+    original = modeling_llama.LlamaMLP.forward
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", original)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    monkeypatch.syspath_prepend(str(tree))
+    monkeypatch.delitem(sys.modules, "trainbridge_patches", raising=False)
+    patched_steps = _load(tree / SCRIPT, "hf_steps_mlp_patched")
+    monkeypatch.delitem(sys.modules, "trainbridge_patches")
+    assert modeling_llama.LlamaMLP.forward.__trainbridge_original__ is original
+    loss, grads = _loss_and_grads(patched_steps)
+    assert modeling_llama.LlamaMLP.forward.compiled is not None
     assert loss == pytest.approx(base_loss, rel=1e-5)
     for name, grad in base_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
@@ -401,3 +461,230 @@ def test_eager_attention_becomes_one_npu_fusion_attention_that_trains_like_the_l
     assert r["loss"] == pytest.approx(r["base_loss"], rel=1e-5)
     assert r["worst_rel"] < 1e-3 and r["cosine"] > 0.99999, r
     assert r["kernels"] < r["base_kernels"], r  # one fused attention each way instead of repeat_kv, matmuls, mask, softmax
+
+
+VIT_STEPS = '''"""A tiny Hugging Face ViT image classifier from its config (random weights, eager attention) and its step."""
+import torch
+from transformers import ViTConfig, ViTForImageClassification
+
+
+def make_parts(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    config = ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=64, num_labels=5, attn_implementation="eager")
+    model = ViTForImageClassification(config)
+    model.train()
+    return {"model": model}
+
+
+def batch(step: int):
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(4, 3, 16, 16, generator=generator), torch.randint(0, 5, (4,), generator=generator)
+
+
+def loss_and_model():
+    model = make_parts(seed=0)["model"]
+    images, labels = batch(0)
+    out = model(pixel_values=images, labels=labels)
+    out.loss.backward()
+    return out.loss.item(), model
+'''
+
+
+def _vit_repo(root: Path) -> git.Repo:
+    root.mkdir(parents=True)
+    repo = git.Repo.init(root, initial_branch="main")
+    with repo.config_writer() as config:
+        config.set_value("user", "name", "Alice")
+        config.set_value("user", "email", "alice@example.com")
+    (root / "vit_steps.py").write_text(VIT_STEPS)
+    repo.git.add("-A")
+    repo.git.commit("-m", "initial")
+    return repo
+
+
+def _vit_intent(category: str, function: str) -> Intent:
+    """An intent located in transformers' modeling_vit at `function` ('eager_attention_forward', 'ViTLayer.forward'),
+    reached from vit_steps.py's model(...) line, as the analyst files a ViT's regions (`trainbridge analyze` on
+    examples/hf_vit_plain: attention in eager_attention_forward, add_norm in ViTLayer.forward)."""
+    from transformers.models.vit import modeling_vit
+
+    from trainbridge.records import SourceSpan
+    from trainbridge.tools.library_code import library_span
+
+    owner = modeling_vit
+    for part in function.split("."):
+        owner = getattr(owner, part)
+    lines, first = inspect.getsourcelines(owner)
+    library = library_span("transformers/models/vit/modeling_vit.py", first, first + len(lines) - 1, function)
+    call = next(i for i, line in enumerate(VIT_STEPS.splitlines(), start=1) if "model(pixel_values" in line)
+    spans = [SourceSpan(file="vit_steps.py", line_start=call, line_end=call)]
+    return Intent(id=Intent.make_id(category, spans, library), category=category, spans=spans, library=library,
+                  confidence=0.5, source="advisor_rule")
+
+
+def test_a_vits_attention_and_layer_are_patched_on_the_cpu_and_train_like_the_library(tmp_path, monkeypatch):
+    """ViT's eager attention through the library's SDPA and ViTLayer.forward under torch.compile, in one patch module:
+    the patched model's loss and gradients match the library's. The compile runs on aot_eager here (Dynamo and AOT
+    autograd, no C++ build: a cold Inductor build of the layer takes minutes on 2 busy cores); the gate compiles it
+    with Inductor in a run."""
+    import functools
+
+    from transformers.models.vit import modeling_vit
+
+    attention, layer = _vit_intent("attention", "eager_attention_forward"), _vit_intent("add_norm", "ViTLayer.forward")
+    assert own_recipes(_Kb(), attention, "cpu", None)[0] == "attention-hf-vit-patch-sdpa"
+    assert own_recipes(_Kb(), layer, "cpu", None)[0] == "add-norm-hf-vit-patch-compile"
+    assert own_recipes(_Kb(), attention, "npu", None)[0] == "attention-hf-vit-patch-npu"
+    repo = _vit_repo(tmp_path / "user")
+    work = workspace(repo, tmp_path)
+    sdpa = make_candidate(work, attention, RECIPES["attention-hf-vit-patch-sdpa"])
+    assert isinstance(sdpa, Candidate), sdpa
+    compiled = make_candidate(work, layer, RECIPES["add-norm-hf-vit-patch-compile"], overlay=sdpa.sha)
+    assert isinstance(compiled, Candidate), compiled
+    tree = Path(compiled.worktree)
+    assert sorted(compiled.files) == [PATCH_MODULE, "vit_steps.py"] and (tree / "vit_steps.py").read_text().count(IMPORT_LINE) == 1
+
+    base_loss, base_model = _load(tmp_path / "user" / "vit_steps.py", "vit_steps_unpatched").loss_and_model()
+    originals = modeling_vit.eager_attention_forward, modeling_vit.ViTLayer.forward
+    monkeypatch.setattr(modeling_vit, "eager_attention_forward", originals[0])
+    monkeypatch.setattr(modeling_vit.ViTLayer, "forward", originals[1])
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    monkeypatch.syspath_prepend(str(tree))
+    monkeypatch.delitem(sys.modules, "trainbridge_patches", raising=False)
+    patched = _load(tree / "vit_steps.py", "vit_steps_patched")
+    patches = sys.modules["trainbridge_patches"]
+    monkeypatch.delitem(sys.modules, "trainbridge_patches")
+    assert patches.INSTALLED == ["transformers.models.vit.modeling_vit.eager_attention_forward",
+                                 "transformers.models.vit.modeling_vit.ViTLayer.forward"]
+    fused, calls = torch.nn.functional.scaled_dot_product_attention, []
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    loss, model = patched.loss_and_model()
+    assert modeling_vit.ViTLayer.forward.compiled is not None  # compiled on the first call
+    assert calls, "the library's SDPA path did not run"
+    assert loss == pytest.approx(base_loss, rel=1e-5)
+    grads = dict(model.named_parameters())
+    for name, parameter in base_model.named_parameters():
+        # a key projection's bias gets no gradient (softmax ignores a per-query constant): both are rounding noise
+        torch.testing.assert_close(grads[name].grad, parameter.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+_VIT_CHILD = _CHILD.replace("tokens = steps.batch(0).to(\"npu\")", "images, labels = (t.to(\"npu\") for t in steps.batch(0))") \
+    .replace("out = model(input_ids=tokens, labels=tokens)", "out = model(pixel_values=images, labels=labels)") \
+    .replace('tree + "/hf_steps.py"', 'tree + "/vit_steps.py"') \
+    .replace("from transformers.models.llama import modeling_llama", "") \
+    .replace("modeling_llama.apply_rotary_pos_emb.__name__", "None") \
+    .replace("for n, g in base_grads.items())", "for n, g in base_grads.items() if g.abs().max() > 1e-8)") \
+    .replace("if g.abs().max() > 0)", "if g.abs().max() > 1e-8)")
+# (a key projection's bias gets no gradient in exact arithmetic, softmax ignoring a per-query constant: both sides hold
+# rounding noise of ~1e-11 there, left out of the relative comparison)
+
+
+def test_a_vits_eager_attention_becomes_one_npu_fusion_attention_that_trains_like_the_library(tmp_path):
+    """attention-hf-vit-patch-npu: ViT's unmasked attention as one npu_fusion_attention per layer, the patched model
+    training like the library's on the emulated NPU with fewer NPU kernels."""
+    assert "pixel_values=images" in _VIT_CHILD and "vit_steps.py" in _VIT_CHILD and "modeling_llama" not in _VIT_CHILD
+    assert _VIT_CHILD.count("> 1e-8)") == 2
+    repo = _vit_repo(tmp_path / "user")
+    made = make_candidate(workspace(repo, tmp_path), _vit_intent("attention", "eager_attention_forward"),
+                          RECIPES["attention-hf-vit-patch-npu"])
+    assert isinstance(made, Candidate), made
+    selection = NpuSelection(mode="emulated", cause="not_installed", reason="test", python=sys.executable)
+    env = selection_env(selection, {k: v for k, v in os.environ.items() if not k.startswith("TRAINBRIDGE_NPU_EMULATION")})
+    child = tmp_path / "child.py"
+    child.write_text(_VIT_CHILD)
+    proc = subprocess.run([sys.executable, str(child), str(tmp_path / "user" / "vit_steps.py"), made.worktree], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert r["installed"] == ["transformers.models.vit.modeling_vit.eager_attention_forward"]
+    assert r["loss"] == pytest.approx(r["base_loss"], rel=1e-5)
+    assert r["worst_rel"] < 1e-3 and r["cosine"] > 0.99999, r
+    assert r["kernels"] < r["base_kernels"], r  # one fused attention each way instead of matmul, scale, softmax, matmul
+
+
+_SDPA_CHILD = textwrap.dedent("""
+    import importlib.util, json, sys
+    import torch
+    import torch_npu
+
+    fixture, tree = sys.argv[1], sys.argv[2]
+    fused = [0]
+
+    def load(path, name):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    def step(steps):
+        # three AdamW steps: the first step's gradients and every step's loss
+        parts = steps.make_parts(seed=0)
+        model = parts["model"].to("npu")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses, first = [], None
+        for index in range(3):
+            tokens = steps.batch(index).to("npu")
+            padded = torch.ones_like(tokens)
+            padded[0, -5:] = 0  # a padding mask: SDPA gets a boolean mask instead of its causal flag
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss = loss + model(input_ids=tokens, attention_mask=padded, labels=tokens).loss
+            loss.backward()
+            first = first or {n: p.grad.cpu().clone() for n, p in model.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, first
+
+    base_loss, base_grads = step(load(fixture, "hf_steps_unpatched"))
+    fusion = torch_npu.npu_fusion_attention
+
+    def counted(*args, **kwargs):
+        fused[0] += 1
+        return fusion(*args, **kwargs)
+
+    torch_npu.npu_fusion_attention = counted
+    sys.path.insert(0, tree)
+    patched = load(tree + "/hf_steps.py", "hf_steps_patched")
+    import trainbridge_patches
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    loss, grads = step(patched)
+    worst = max(float(((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-12))) for n, g in base_grads.items())
+    cosine = min(float(torch.nn.functional.cosine_similarity(grads[n].flatten(), g.flatten(), dim=0))
+                 for n, g in base_grads.items() if g.abs().max() > 0)
+    print("RESULT " + json.dumps({"installed": trainbridge_patches.INSTALLED, "base_loss": base_loss, "loss": loss,
+                                  "worst_rel": worst, "cosine": cosine, "fused_calls": fused[0],
+                                  "registry": ALL_ATTENTION_FUNCTIONS["sdpa"].__name__}))
+""")
+
+
+def test_the_default_sdpa_attention_becomes_one_npu_fusion_attention_that_trains_like_the_library(tmp_path, intents):
+    """A Llama built without attn_implementation runs transformers' sdpa_attention_forward, which the eager-attention
+    recipe never reaches: attention-hf-sdpa-patch-npu is offered for it first on the NPU target and patches it where
+    transformers looks it up (AttentionInterface's "sdpa" entry); causal and padded batches train like the library's
+    on the emulated NPU over three AdamW steps, each layer's attention one npu_fusion_attention."""
+    attention = intents["sdpa_attention"]
+    assert (attention.library.file, attention.library.function) == ("transformers/integrations/sdpa_attention.py",
+                                                                     "sdpa_attention_forward")
+    assert own_recipes(_Kb(), attention, "npu", None)[0] == "attention-hf-sdpa-patch-npu"
+    assert "attention-hf-sdpa-patch-npu" not in own_recipes(_Kb(), attention, "cpu", None)
+    assert "attention-hf-sdpa-patch-npu" not in own_recipes(_Kb(), intents["rmsnorm"], "npu", None)
+    repo = _repo(tmp_path / "user")
+    made = make_candidate(workspace(repo, tmp_path), attention, RECIPES["attention-hf-sdpa-patch-npu"])
+    assert isinstance(made, Candidate), made
+    tree = Path(made.worktree)
+    assert "'sdpa_attention_forward', _tb_sdpa_attention_npu)" in (tree / PATCH_MODULE).read_text()
+
+    selection = NpuSelection(mode="emulated", cause="not_installed", reason="test", python=sys.executable)
+    env = selection_env(selection, {k: v for k, v in os.environ.items() if not k.startswith("TRAINBRIDGE_NPU_EMULATION")})
+    child = tmp_path / "child.py"
+    child.write_text(_SDPA_CHILD)
+    proc = subprocess.run([sys.executable, str(child), str(FIXTURE / "repo" / SCRIPT), str(tree)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert r["installed"] == ["transformers.integrations.sdpa_attention.sdpa_attention_forward"]
+    assert r["registry"] == "_tb_sdpa_attention_npu"
+    assert r["fused_calls"] == 3 * 2 * 2, r  # three steps, two layers, two forwards (causal, padded)
+    assert r["loss"] == pytest.approx(r["base_loss"], rel=1e-5) and r["loss"][-1] < r["loss"][0], r
+    assert r["worst_rel"] < 1e-3 and r["cosine"] > 0.99999, r

@@ -18,7 +18,11 @@ def test_queues_and_methods_on_the_real_style_programs():
     assert _method_of(folder, rope) == "Rotary.forward"
     npu = {(str(i.category), str(i.spans[0])): i for i in scan_repo(folder, target="npu")}
     assert "rope-chunk-npu-rotary-mul" in _queue(npu[("rope", "train_gpt.py:61-64")], "npu")
-    assert _queue(npu[("elementwise_chain", "train_gpt.py:93")], "npu") == ["compile-regional-npu"]
+    # a pointwise chain queues its category's NPU recipes: the regional compile, and the matrix blends that apply only
+    # where the region holds a matmul (the coder finds no match elsewhere, before any gate)
+    chain = _queue(npu[("elementwise_chain", "train_gpt.py:93")], "npu")
+    assert chain[0] == "compile-regional-npu" and set(chain) == {
+        "compile-regional-npu", "matmul-blend-addmm-npu", "newton-schulz-addmm-npu"}
     rms = npu[("rmsnorm", "train_gpt.py:49-50")]
     assert _method_of(folder, rms) is None  # a module-level helper
 

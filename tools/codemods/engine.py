@@ -267,11 +267,15 @@ def _apply_semantic(wrapper: MetadataWrapper, recipe: Recipe, span: SourceSpan):
                              f"recipe {recipe.id} expects ({', '.join(signature)})")
     bindings: Bindings = {name: cst.Name(actual) for name, actual in zip(signature, arg_names)}
     if attributes:
-        assigned = _self_attributes(owner)
+        assigned = scopes.attribute_reads(owner, "self")
         missing = [a for a in attributes if a not in assigned]
         if missing:
             raise CodemodRefused(f"class {owner.name.value} never assigns self.{', self.'.join(missing)}, which recipe {recipe.id} needs")
         bindings.update({f"self_{a}": cst.Attribute(value=cst.Name("self"), attr=cst.Name(a)) for a in attributes})
+    learned = scopes.learned_buffers(owner, params)
+    if learned:
+        raise CodemodRefused(f"class {owner.name.value} makes self.{', self.'.join(learned)} an nn.Parameter; recipe {recipe.id} "
+                             "takes them as fixed tables (buffers): a learned table has gradients and values of its own")
     anchors = [parse_expression_pattern(str(text)) for text in params.get("alternatives", []) or []]
     by_behaviour = bool(params.get("probe") or params.get("candidates"))
     if by_behaviour and not anchors:
@@ -303,18 +307,6 @@ def _no_scope(module: cst.Module, positions, span: SourceSpan, scope: str, recip
     what = "class with a forward method" if scope == "module_forward" else "function or method"
     return CodemodRefused(f"no {what} overlaps {span} for recipe {recipe.id}: "
                           f"{scopes.describe_position(module, positions, span)}")
-
-
-def _self_attributes(owner: cst.ClassDef) -> set[str]:
-    found: set[str] = set()
-
-    class Visitor(cst.CSTVisitor):
-        def visit_Attribute(self, node: cst.Attribute) -> None:
-            if isinstance(node.value, cst.Name) and node.value.value == "self":
-                found.add(node.attr.value)
-
-    owner.visit(Visitor())
-    return found
 
 
 def _contains_match(function: cst.FunctionDef, patterns: list[cst.BaseExpression]) -> bool:

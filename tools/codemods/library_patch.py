@@ -74,8 +74,25 @@ def _install(distribution, versions, module_name, qualname, patch):
             namespace = getattr(other, "__dict__", None)
             if other is not module and isinstance(namespace, dict) and namespace.get(name) is original:
                 setattr(other, name, patch)
+        _replace_in_registries(module_name.split(".")[0], original, patch)
     INSTALLED.append(where)
     return True
+
+
+def _replace_in_registries(top, original, patch):
+    """The library's own class-level registries that hold the function are given the patch too: transformers calls
+    sdpa_attention_forward through AttentionInterface._global_mapping["sdpa"], never by its module name."""
+    for other in list(sys.modules.values()):
+        namespace = getattr(other, "__dict__", None)
+        if not isinstance(namespace, dict) or not str(namespace.get("__name__", "")).startswith(top + "."):
+            continue
+        for value in list(namespace.values()):
+            if not isinstance(value, type) or value.__module__ != namespace["__name__"]:
+                continue
+            for registry in list(vars(value).values()):
+                if type(registry) is dict:  # a plain dict (lazy mappings import on every lookup)
+                    for key in [k for k, v in registry.items() if v is original]:
+                        registry[key] = patch
 
 
 def _function_behind(value, name):

@@ -15,6 +15,11 @@ self-contained program that checks exactly that on given input shapes:
   each candidate on clones, back-propagates the same random cotangent through both and prints one JSON
   line per candidate with the largest output and gradient differences and the smallest cosine.
 
+A module's ``forward`` that reads its own tables (a recipe of scope ``module_forward``: ``self.cos``, ``self.sin``
+buffers of a rotary module) is probed on a stand-in module holding only the recipe's ``attributes``, drawn like the
+inputs (``self_<name>`` in the shape sets; ``grad: false`` for buffers): the forward may read nothing else of its
+object, and the recipe's ``buffers`` must not be parameters of the class.
+
 Nothing here runs the program: the user's code runs only in a sandboxed child
 (agents/coder/semantic_match.py). Input shapes are the recipe's ``params.probe`` (``{arg: {shape:
 [...], dtype: float32, low: -1, high: 1}}`` or a list of such sets) unless the caller passes shapes
@@ -74,7 +79,32 @@ def find_function(source: str, span: SourceSpan) -> tuple[cst.Module, cst.Functi
     site = SourceSpan(file=span.file, line_start=position.start.line, line_end=position.end.line, function=found.function.name.value)
     if found.is_method and not any(isinstance(d.decorator, cst.Name) and d.decorator.value == "staticmethod"
                                    for d in found.function.decorators):
-        raise ProbeError(f"{found.qualname} is a method that reads its object; only functions and static helpers are probed here")
+        raise ProbeError(f"{found.qualname} is a method that reads its object; only functions and static helpers are probed here "
+                         "(a module's forward by a recipe of scope module_forward)")
+    return wrapper.module, found.function, found.qualname, site
+
+
+def find_forward(source: str, span: SourceSpan, recipe: Recipe) -> tuple[cst.Module, cst.FunctionDef, str, SourceSpan]:
+    """The ``forward`` of the module class overlapping the span (a recipe of scope ``module_forward``), as
+    (module, node, qualname, its lines), when it reads nothing of its object but the recipe's ``attributes``
+    and none of the recipe's ``buffers`` is a parameter of the class."""
+    wrapper = MetadataWrapper(cst.parse_module(source))
+    positions = wrapper.resolve(PositionProvider)
+    found = scopes.module_forward(wrapper.module, positions, span)
+    if found is None:
+        raise ProbeError(f"no class with a forward overlaps {span}: {scopes.describe_position(wrapper.module, positions, span)}")
+    params = recipe.match.params
+    attributes = [str(a) for a in params.get("attributes", []) or []]
+    others = sorted(scopes.self_reads(found.function) - set(attributes))
+    if others:
+        raise ProbeError(f"{found.qualname} reads self.{', self.'.join(others)}, which recipe {recipe.id} does not bind "
+                         f"(it binds {', '.join(attributes) or 'no attribute'})")
+    learned = scopes.learned_buffers(found.owner, params)
+    if learned:
+        raise ProbeError(f"class {found.owner.name.value} makes self.{', self.'.join(learned)} an nn.Parameter; recipe "
+                         f"{recipe.id} takes them as fixed tables (buffers)")
+    position = positions[found.function]
+    site = SourceSpan(file=span.file, line_start=position.start.line, line_end=position.end.line, function=found.function.name.value)
     return wrapper.module, found.function, found.qualname, site
 
 
@@ -98,14 +128,17 @@ def _context(module: cst.Module) -> list[str]:
 
 
 def candidate_function(module: cst.Module, function: cst.FunctionDef, replacement: str, signature: list[str],
-                       name: str = CANDIDATE) -> str:
+                       name: str = CANDIDATE, attributes: list[str] | None = None) -> str:
     """A candidate (``_tb_candidate_<i>``): the region's signature, its body ``return <replacement>`` with the recipe's
-    argument names bound to the region's."""
+    argument names bound to the region's (for a method, `attributes` given: after its first parameter, and
+    ``$self_<a>`` bound to ``<first parameter>.<a>``)."""
     names = [p.name.value for p in function.params.params]
+    me = names.pop(0) if attributes is not None and names else None
     if len(names) != len(signature):
         raise ProbeError(f"{function.name.value}({', '.join(names)}) takes {len(names)} argument(s); the recipe expects "
                          f"({', '.join(signature)})")
     bindings = {want: cst.Name(have) for want, have in zip(signature, names)}
+    bindings.update({f"self_{a}": cst.Attribute(value=cst.Name(me), attr=cst.Name(a)) for a in attributes or [] if me})
     body = render_statements(f"return {replacement}", bindings, module)
     node = function.with_changes(decorators=[], name=cst.Name(name), leading_lines=[],
                                  body=cst.IndentedBlock(body=list(body)))
@@ -122,7 +155,7 @@ def _tb_draw(spec, generator):
         return torch.polar(torch.ones_like(angles), angles).to(dtype).to(_TB_DEVICE)
     if dtype.is_floating_point:
         value = torch.rand(shape, generator=generator, dtype=torch.float64) * (high - low) + low
-        return value.to(dtype).to(_TB_DEVICE).requires_grad_(True)
+        return value.to(dtype).to(_TB_DEVICE).requires_grad_(bool(spec.get("grad", True)))
     return torch.randint(int(low), int(high), shape, generator=generator).to(dtype).to(_TB_DEVICE)
 
 
@@ -189,10 +222,12 @@ def build_probe(source: str, span: SourceSpan, recipe: Recipe, replacements: lis
     """The probe program for the region holding ``span`` against each of ``replacements`` (default: the
     recipe's ``params.candidates``, else its replacement); it prints one ``TB_PROBE`` line per candidate."""
     params = recipe.match.params
-    module, function, qualname, site = find_function(source, span)
-    signature = [str(n) for n in params.get("signature", [])] or [p.name.value for p in function.params.params]
+    method = params.get("scope") == "module_forward"
+    module, function, qualname, site = find_forward(source, span, recipe) if method else find_function(source, span)
+    attributes = [str(a) for a in params.get("attributes", []) or []] if method else None
+    names = [p.name.value for p in function.params.params][1 if method else 0:]
+    signature = [str(n) for n in params.get("signature", [])] or names
     replacements = replacements or [str(c) for c in params.get("candidates", []) or []] or [recipe.replacement]
-    names = [p.name.value for p in function.params.params]
     if len(names) != len(signature):
         raise ProbeError(f"{qualname}({', '.join(names)}) takes {len(names)} argument(s); recipe {recipe.id} expects "
                          f"({', '.join(signature)})")
@@ -201,12 +236,36 @@ def build_probe(source: str, span: SourceSpan, recipe: Recipe, replacements: lis
     parts = ["import json", "import torch", *recipe.imports, *_context(module)]
     if params.get("define"):
         parts.append(textwrap.dedent(str(params["define"])))
-    parts.append(_plain(module, function, ORIGINAL))
-    parts += [candidate_function(module, function, text, signature, f"{CANDIDATE}_{i}") for i, text in enumerate(replacements)]
+    if method:
+        parts.append(_STAND_IN)
+        parts.append(_plain(module, function, ORIGINAL + "_method") + _on_stand_in(ORIGINAL, names, attributes))
+        parts += [candidate_function(module, function, text, signature, f"{CANDIDATE}_{i}_method", attributes)
+                  + _on_stand_in(f"{CANDIDATE}_{i}", names, attributes) for i, text in enumerate(replacements)]
+    else:
+        parts.append(_plain(module, function, ORIGINAL))
+        parts += [candidate_function(module, function, text, signature, f"{CANDIDATE}_{i}") for i, text in enumerate(replacements)]
     header = (f"_TB_DEVICE = {device!r}\n_TB_SEED = {int(seed)}\n_TB_SHAPE_SETS = json.loads({json.dumps(json.dumps(renamed))})\n"
               f"_TB_CANDIDATES = [{', '.join(f'{CANDIDATE}_{i}' for i in range(len(replacements)))}]\n")
     program = "\n\n".join(parts) + "\n\n" + header + DRIVER
     return RegionProbe(program=program, function=qualname, site=site, shape_sets=renamed, replacements=replacements)
+
+
+_STAND_IN = '''class _TbModule:
+    """The module as a method of it sees it in the probe: the recipe's attributes, drawn like the inputs."""
+
+    def __init__(self, **attributes):
+        self.__dict__.update(attributes)
+'''
+
+
+def _on_stand_in(name: str, names: list[str], attributes: list[str]) -> str:
+    """``name(<args>, self_<a>...)``: calls ``<name>_method`` on a stand-in module holding the attributes."""
+    clash = sorted(set(names) & {f"self_{a}" for a in attributes})
+    if clash:
+        raise ProbeError(f"the region's argument(s) {', '.join(clash)} clash with the probe's names for the module's attributes")
+    args = ", ".join([*names, *(f"self_{a}" for a in attributes)])
+    held = ", ".join(f"{a}=self_{a}" for a in attributes)
+    return f"\n\ndef {name}({args}):\n    return {name}_method(_TbModule({held}), {', '.join(names)})\n"
 
 
 def verdict(report: dict, rtol: float, atol: float, cosine_min: float = 0.9999) -> tuple[bool, str]:

@@ -126,3 +126,65 @@ def describe_position(module: cst.Module, positions, span: SourceSpan) -> str:
             text = module.code_for_node(statement).strip().splitlines()[0][:120]
             return f"line {positions[statement].start.line} is module-level code ({text})"
     return "no code lies in the span"
+
+
+def parameter_attributes(owner: cst.ClassDef) -> set[str]:
+    """The attributes the class makes learnable: ``self.<name> = nn.Parameter(...)`` (any spelling ending in
+    ``Parameter``) or ``self.register_parameter("<name>", ...)``, anywhere in its body."""
+    found: set[str] = set()
+
+    def _parameter_call(node: cst.BaseExpression | None) -> bool:
+        if not isinstance(node, cst.Call):
+            return False
+        func = node.func
+        return (isinstance(func, cst.Name) and func.value == "Parameter") or \
+            (isinstance(func, cst.Attribute) and func.attr.value == "Parameter")
+
+    def _self_target(node: cst.BaseExpression) -> str | None:
+        if isinstance(node, cst.Attribute) and isinstance(node.value, cst.Name) and node.value.value == "self":
+            return node.attr.value
+        return None
+
+    class Visitor(cst.CSTVisitor):
+        def visit_Assign(self, node: cst.Assign) -> None:
+            if _parameter_call(node.value):
+                found.update(n for t in node.targets if (n := _self_target(t.target)))
+
+        def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+            if _parameter_call(node.value) and (name := _self_target(node.target)):
+                found.add(name)
+
+        def visit_Call(self, node: cst.Call) -> None:
+            func = node.func
+            if isinstance(func, cst.Attribute) and func.attr.value == "register_parameter" and node.args \
+                    and isinstance(node.args[0].value, cst.SimpleString):
+                found.add(node.args[0].value.evaluated_value)
+
+    owner.visit(Visitor())
+    return found
+
+
+def learned_buffers(owner: cst.ClassDef | None, params: dict) -> list[str]:
+    """The recipe's ``buffers`` (fixed tables it reads from the module) that the class makes parameters instead."""
+    if owner is None:
+        return []
+    return sorted(set(str(b) for b in params.get("buffers", []) or []) & parameter_attributes(owner))
+
+
+def attribute_reads(node: cst.CSTNode, name: str) -> set[str]:
+    """The attributes read from the name ``name`` anywhere under ``node`` (``name.<attr>``, calls of methods included)."""
+    found: set[str] = set()
+
+    class Visitor(cst.CSTVisitor):
+        def visit_Attribute(self, node: cst.Attribute) -> None:
+            if isinstance(node.value, cst.Name) and node.value.value == name:
+                found.add(node.attr.value)
+
+    node.visit(Visitor())
+    return found
+
+
+def self_reads(function: cst.FunctionDef) -> set[str]:
+    """The attributes a method reads from its first parameter (``self.<name>``, calls of its methods included)."""
+    params = function.params.params
+    return attribute_reads(function.body, params[0].name.value) if params else set()
