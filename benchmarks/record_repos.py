@@ -72,7 +72,7 @@ def write_shard(path: Path, tokens: int, *, seed: int, vocab: int = BOS + 1, bos
 def build_repo(dest: Path, source: RecordSource, script: str, *, tokens: int = 262_144) -> Path:
     """`dest` as a user's clone of the record: the script at its name, .gitignore as the real repository has it
     (fineweb10B/, logs/), two train shards and one val shard under data/fineweb10B/ (ignored), trainbridge.toml,
-    one commit."""
+    the empty folders the record writes into without creating them (`source.folders`, tracked), one commit."""
     dest.mkdir(parents=True)
     (dest / source.script).write_text(script, encoding="utf-8")
     (dest / ".gitignore").write_text("fineweb10B/\npylog124M/\n__pycache__/\nlogs/\n", encoding="utf-8")
@@ -80,8 +80,13 @@ def build_repo(dest: Path, source: RecordSource, script: str, *, tokens: int = 2
     for index, name in enumerate(("fineweb_val_000000.bin", "fineweb_train_000001.bin", "fineweb_train_000002.bin")):
         write_shard(data / name, tokens, seed=index, vocab=source.vocab())
     (dest / "trainbridge.toml").write_text(toml_text(source), encoding="utf-8")
+    for folder in source.folders:  # e.g. record 17's logs/, ignored by .gitignore as in the real repository
+        (dest / folder).mkdir(parents=True, exist_ok=True)
+        (dest / folder / ".gitkeep").write_text("", encoding="utf-8")
     _git(dest, "init", "-q", "--initial-branch=main")
     _git(dest, "add", "-A")
+    for folder in source.folders:
+        _git(dest, "add", "-f", f"{folder}/.gitkeep")
     _git(dest, *GIT_IDENTITY, "commit", "-qm", f"record {source.number}: {source.name}")
     ignored = _git(dest, "status", "--porcelain", "--ignored", "--", DATA_DIR)
     assert ignored.startswith("!!"), f"the token shards must be git-ignored: {ignored!r}"

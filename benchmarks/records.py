@@ -97,7 +97,7 @@ def run_record(source: RecordSource, mirror: Path, work: Path, home: Path, *, bu
     run_id = f"record-{source.number}"
     json_path = work / f"record-{source.number}" / "run.json"
     run = run_loop(repo, run_id, home, budget_s=budget_s, max_candidates=max_candidates, gate_rounds=gate_rounds,
-                   target="npu", say=lambda line: say(f"  r{source.number} {line.strip()}"),
+                   target="npu", compile_reference=source.reference, say=lambda line: say(f"  r{source.number} {line.strip()}"),
                    extra_args=("--json", str(json_path), *(a for c in categories for a in ("--category", c))))
     summary = summarise(f"record {source.number}", run, repo)
     run_json = json.loads(json_path.read_text(encoding="utf-8")) if json_path.exists() else {}
@@ -112,6 +112,8 @@ def run_record(source: RecordSource, mirror: Path, work: Path, home: Path, *, bu
                verdicts=summary["verdicts"], wall_s=round(time.monotonic() - started, 1))
     if not row["ran"]:
         row["why"] = _why(summary, run_json, home / "runs" / run_id / "failure.json")
+    if not source.reference:
+        row["reference_why"] = source.reference_why
     return row
 
 
@@ -139,7 +141,7 @@ def pick(records: str) -> list[RecordSource]:
     numbers = [int(part) for part in records.split(",") if part.strip()]
     unknown = [n for n in numbers if n not in BY_NUMBER]
     if unknown:
-        raise SystemExit(f"unknown record(s) {unknown}: the published table has {', '.join(str(r.number) for r in RECORDS)}")
+        raise SystemExit(f"unknown record(s) {unknown}: the catalog has {', '.join(str(n) for n in sorted(BY_NUMBER))}")
     return [BY_NUMBER[n] for n in numbers]
 
 
@@ -183,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                         "default: all)")
     parser.add_argument("--port-only", default="", metavar="WHY", help="only build and port each record (no run); WHY "
                         "is the row's why (e.g. that this session had no time for its run)")
+    parser.add_argument("--work", type=Path, default=None, help="keep each record's repository, port and run branches "
+                        "here (default: a temporary folder, removed); e.g. for benchmarks/record_kernels.py --patch")
     parser.add_argument("--home", type=Path, default=None, help="TRAINBRIDGE_HOME for the runs (default: a temporary one)")
     parser.add_argument("--out", type=Path, default=None, help="results path without suffix "
                         "(default benchmarks/results/<date>-records)")
@@ -196,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     sources = pick(args.records)
     with tempfile.TemporaryDirectory(prefix="trainbridge-records-") as tmp:
         home = args.home or Path(tmp) / "home"
-        rows = run_records(sources, args.mirror.resolve(), Path(tmp), home, slots=args.slots, budget_s=args.budget,
+        work = args.work.resolve() if args.work else Path(tmp)
+        rows = run_records(sources, args.mirror.resolve(), work, home, slots=args.slots, budget_s=args.budget,
                            max_candidates=args.max_candidates, gate_rounds=args.rounds, categories=tuple(args.category),
                            port_only=args.port_only)
     batches = None

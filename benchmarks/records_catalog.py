@@ -26,11 +26,12 @@ FULL_VOCAB = 50257  # later records align batches to <|endoftext|> (50256), so t
 
 # every record: nvidia-smi (which each record logs) run as /bin/true, and the record's own torch.compile calls
 # disabled (`torch.compile(..., disable=True)` returns the model or function as it is). The port reports each
-# torch.compile as blocking (Inductor has no NPU target; the playbook makes compile the last resort), and under the
-# NPU emulation a compiled model's fused torch_npu rewrites fail in Dynamo ("InternalTorchDynamoError:
-# AttributeError: 'NpuTensor' object has no attribute '_host'", torch_npu/_device_backend.py NpuTensor.__new__), so
-# the records run eagerly on the emulated NPU; the compile reference is then Inductor on the host CPU compiling the
-# modules the optimizers train. A bare `@torch.compile` decorator (no call) stays.
+# torch.compile as blocking (Inductor has no NPU target; the playbook makes compile the last resort). The records
+# were measured eagerly on the emulated NPU, when a compiled model's fused torch_npu rewrites failed in Dynamo
+# ("'NpuTensor' object has no attribute '_host'"); a program's own compile runs on the emulation since bbe5347, but
+# the results page was not re-run without this override, so it stays until it is. The compile reference is
+# Inductor on the host CPU compiling the modules the optimizers train. A bare `@torch.compile` decorator is a call
+# too: disabled as well.
 _COMMON: dict[str, Any] = {"run(executable)": "/bin/true", "compile(disable)": True}
 
 # records 4-10: `Hyperparameters` dataclass, `GPT(GPTConfig(vocab_size=num_vocab, n_layer=12, n_head=..., n_embd=768))`
@@ -90,13 +91,21 @@ class RecordSource:
     name: str  # the published table's description
     folder: str  # records/track_1_short/<folder>
     log: str  # the log the speedrun README links (its code first), or the script's path at `commit`
-    published_speedup: float  # NPU optimized over direct port, the published table
+    published_speedup: float | None  # NPU optimized over direct port, the published table (None: not in it)
     script: str = "train_gpt.py"  # the name the record's run.sh launches
     profile: str = "late"  # early | argparse | late
     overrides: dict[str, Any] = field(default_factory=dict)  # where the record's names differ from its profile
     launch_args: str = ""  # arguments of the record's own launch line
     commit: str = ""  # set where the log holds no code: the script is the repository's file at this commit
     note: str = ""  # what the shrink changes beyond sizes, or what the record needs that is not here
+    # folders the record writes into without creating them: made in its repository and tracked (a .gitkeep), as a
+    # user would `mkdir` them and keep them; an untracked output folder (logs/ is one by its name) is not shown in
+    # a run's scratch mirror of the checkout, so only a tracked one reaches the run
+    folders: tuple[str, ...] = ()
+    # False: `trainbridge run --no-reference` (no torch.compile reference, the run goes on without its kernel counts),
+    # where the reference cannot run the record; `reference_why` says why
+    reference: bool = True
+    reference_why: str = ""
 
     def overrides_all(self) -> dict[str, Any]:
         base = {"early": EARLY, "argparse": ARGPARSE, "late": LATE}[self.profile]
@@ -104,8 +113,10 @@ class RecordSource:
         return {key: value for key, value in merged.items() if value is not None}  # None: the profile's key dropped
 
     def vocab(self) -> int:
-        """The token range of the shards written for the record (its model's vocabulary after the shrink)."""
-        return FULL_VOCAB if self.profile == "late" else SHRUNK_VOCAB
+        """The token range of the shards written for the record (its model's vocabulary after the shrink): the
+        full GPT-2 range, <|endoftext|> included, unless an override shrinks the vocabulary."""
+        shrunk = any("vocab" in key and value == SHRUNK_VOCAB for key, value in self.overrides_all().items())
+        return SHRUNK_VOCAB if shrunk else FULL_VOCAB
 
     def launch(self) -> str:
         return f"torchrun --standalone --nproc_per_node=1 {self.script} {self.launch_args}".strip()
@@ -150,8 +161,9 @@ RECORDS: tuple[RecordSource, ...] = (
     RecordSource(10, "Cast bf16", "2024-11-08_CastBf16", "a833bed8-2fa8-4cfe-af05-58c1cc48bc30.txt", 2.12,
                  script="train_gpt2.py", profile="early"),
     RecordSource(17, "Sparsify embeds", "2024-12-17_SparsifyEmbeds", "165384d5-5a41-4fba-9b79-8ecc372616ea.txt", 2.58,
-                 overrides=_LATE_17, note="FlexAttention (block masks); it opens logs/<run>.txt without creating "
-                                          "logs/ (its mkdir is commented out), which a run's scratch mirror lacks"),
+                 overrides=_LATE_17, folders=("logs",),
+                 note="FlexAttention (block masks); it opens logs/<run>.txt without creating logs/ (its mkdir is "
+                      "commented out): its repository keeps an empty logs/ (logs/.gitkeep), as a user would mkdir it"),
     RecordSource(27, "Triton Muon", "2025-07-18_TritonMuon", "record.txt", 2.06, overrides=_LATE_27,
                  note="FlexAttention and a Triton symmetric-matmul kernel"),
     RecordSource(32, "Vect sigmoid bf16", "2025-09-11_VectSigmoidBFloat16", "0d0d9882-c34f-4d82-b961-a17d5659c988.txt",
@@ -159,8 +171,10 @@ RECORDS: tuple[RecordSource, ...] = (
     RecordSource(37, "BF16 CE", "2025-09-27_BF16CE", "08c0770f-17fc-44cd-971d-734a7a28a3e3.txt", 1.79,
                  note="flash_attn_interface (FlashAttention-3) and Triton kernels"),
     RecordSource(38, "Polar Express", "2025-09-29_PolarExpress", "0e3f0af5-ad08-47a6-813d-0c709b50d422.txt", 2.07),
-    RecordSource(39, "Custom batching", "2025-09-30_CustomBatching", "40b101b1-77ea-45ea-a089-1d3a647daa22.txt", 1.95),
-    RecordSource(40, "Backout", "2025-10-04_Backout", "514e7581-fbd4-4338-a3e4-e556f9c958ce.txt", 2.06),
+    RecordSource(39, "Custom batching", "2025-09-30_CustomBatching", "40b101b1-77ea-45ea-a089-1d3a647daa22.txt", 1.95,
+                 folders=("logs/new",), note="its run_id defaults to new/<uuid>: it opens logs/new/<run>.txt, making only logs/"),
+    RecordSource(40, "Backout", "2025-10-04_Backout", "514e7581-fbd4-4338-a3e4-e556f9c958ce.txt", 2.06,
+                 folders=("logs/new",), note="its run_id defaults to new/<uuid>: it opens logs/new/<run>.txt, making only logs/"),
     RecordSource(41, "NorMuon", "2025-10-24_NorMuon", "088a77ee-9b67-475a-bbb9-3e92e4698799.txt", 1.86),
     RecordSource(42, "Fix Muon LR", "2025-10-27_FixMuonLR", "14afd380-d3d9-48d7-ad23-4c13cb96754b.txt", 2.01),
     RecordSource(47, "SA lambda on weights", "2025-12-10_SALambdaOnWeights", "15ef5eaf-56e1-40e1-9ddf-af010027c9dd.txt",
@@ -170,7 +184,23 @@ RECORDS: tuple[RecordSource, ...] = (
     RecordSource(50, "Cautious WD Adam", "2025-12-18_CautiousWDAdam", "1981d492-bc65-4ba9-a0fa-2b30fc5c3eba.txt", 2.19,
                  overrides=_LATE_BS_SCHEDULE),
 )
-BY_NUMBER = {r.number: r for r in RECORDS}
+
+# records of the speedrun that the published NPU table leaves out, run as a user would (issue 25: a FlexAttention-era
+# record the team had not used, from its log to `port` to `run --target npu` with the compile reference): their
+# trainbridge.toml holds only the launch line, the data and the size overrides (no compile(disable), no nvidia-smi
+# stand-in: the port carries both, and the script's own torch.compile runs on the emulated device)
+_USER_AS_IS = {"compile(disable)": None, "run(executable)": None}
+# record 12 keeps its 50304-token vocabulary, so the shards hold <|endoftext|> (every 97th token) and its document
+# mask, (idx == 50256).cumsum(0), sees 2-3 documents in each 128-token batch
+UNPUBLISHED: tuple[RecordSource, ...] = (
+    RecordSource(12, "FlexAttention", "2024-11-19_FlexAttention", "8384493d-dba9-4991-b16b-8696953f5e6d.txt", None,
+                 profile="early", overrides={**_USER_AS_IS, "num_vocab": None},
+                 note="FlexAttention with a document-causal, 1024-token-window block mask (create_block_mask), ported "
+                      "to npu_fusion_attention (TND, one sequence per document); its one 64K-token sequence shrunk to "
+                      "128 tokens (device_batch_size 2 x sequence_length 64, read as one sequence): 2-3 documents a "
+                      "batch"),
+)
+BY_NUMBER = {r.number: r for r in RECORDS + UNPUBLISHED}
 
 
 def _toml_value(value: Any) -> str:

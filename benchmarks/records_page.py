@@ -17,6 +17,26 @@ def meets_bar(row: dict[str, Any]) -> bool:
                 and after <= before * (1 - BAR_CUT))
 
 
+def short_of_bar(row: dict[str, Any]) -> str:
+    """Why a record that ran falls short of the bar, from its row: too few verified rewrites (and what the others
+    were judged), too small a cut (what the pending head keeps), or both; a hand-written `short_why` is added."""
+    if not row["ran"] or meets_bar(row):
+        return ""
+    parts = []
+    verified = row["pending_numerics_ok"]
+    if verified < BAR_VERIFIED:
+        judged = [v for v in row.get("verdicts") or [] if v["reason"] not in ("not_applicable", "speed_unmeasured_numerics_ok")]
+        others = ", ".join(f"{v['recipe']} {v['reason']}" for v in judged) or "no other recipe applied"
+        parts.append(f"{verified} numerics-verified rewrite(s), {BAR_VERIFIED} needed (the others: {others})")
+    before, after = row.get("npu_kernels_per_step_before"), row.get("npu_kernels_per_step_after")
+    if before and after is not None and after > before * (1 - BAR_CUT):
+        parts.append(f"kernels per step cut {1 - after / before:.0%}, {BAR_CUT:.0%} needed (the pending head keeps "
+                     f"{after} of {before})")
+    if row.get("short_why"):
+        parts.append(row["short_why"])
+    return "; ".join(parts)
+
+
 def _change(row: dict[str, Any]) -> str:
     before, after = row.get("npu_kernels_per_step_before"), row.get("npu_kernels_per_step_after")
     if not before or after is None:
@@ -27,6 +47,10 @@ def _change(row: dict[str, Any]) -> str:
 def _reference(row: dict[str, Any]) -> str:
     ref = row.get("reference_kernels") or {}
     return f"{ref.get('forward', 0)} + {ref.get('backward', 0)}" if ref else "n/a"
+
+
+def _speedup(row: dict[str, Any]) -> str:
+    return "not in the table" if row.get("published_speedup") is None else f"{row['published_speedup']:.2f}x"
 
 
 def _cell(value: Any) -> str:
@@ -43,7 +67,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
                    if r.get("npu_kernels_per_step_before") else "n/a")
         step = f"{r['baseline_step_ms']:.0f} ms" if r.get("baseline_step_ms") else "n/a"
         wall = f"{r['wall_s']:.0f} s" if r.get("wall_s") is not None else "n/a"
-        lines.append(f"| {r['record']} | {r['name']} | {r['published_speedup']:.2f}x | {'yes' if r['ran'] else 'no'} | "
+        lines.append(f"| {r['record']} | {r['name']} | {_speedup(r)} | {'yes' if r['ran'] else 'no'} | "
                      f"{kernels} | {_change(r)} | {_reference(r)} | {r['pending_numerics_ok']} | "
                      f"{', '.join(r['pending_apis']) or '-'} | {r['crashed']} | {step} | {wall} |")
     return lines
@@ -73,6 +97,8 @@ def markdown(rows: list[dict[str, Any]], argv: list[str], date: str, batches: li
     lines += table(rows)
     lines += ["", "## Records that did not run, and why", ""]
     lines += [f"- **{r['record']} {r['name']}**: {r['why'] or 'no baseline measured'}" for r in rows if not r["ran"]] or ["- none"]
+    lines += ["", "## Records that ran short of the bar, and why", ""]
+    lines += [f"- **{r['record']} {r['name']}**: {short_of_bar(r)}" for r in rows if short_of_bar(r)] or ["- none"]
     lines += ["", "## What the port left (file:line)", ""]
     for r in rows:
         left = r.get("not_ported") or []
@@ -91,7 +117,8 @@ def markdown(rows: list[dict[str, Any]], argv: list[str], date: str, batches: li
             continue
         extra = ", ".join(f"`{k} = {v!r}`" for k, v in source.overrides.items()) or "-"
         log = f"{source.log} at {source.commit[:8]}" if source.commit else source.log
-        lines.append(f"| {source.number} | {source.folder} | {log} | {source.profile} | {extra} | {source.note or '-'} |")
+        note = "; ".join(n for n in (source.note, source.reference_why) if n) or "-"
+        lines.append(f"| {source.number} | {source.folder} | {log} | {source.profile} | {extra} | {note} |")
     lines += ["", "Every verdict per record:", ""]
     for r in rows:
         verdicts = r.get("verdicts") or []

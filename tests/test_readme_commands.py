@@ -31,12 +31,18 @@ def shell_commands(text: str) -> list[tuple[int, list[str]]]:
     found = []
     lines = text.splitlines()
     in_block = False
+    held = ""  # a command continued on the next line (a trailing backslash), as the shell reads it
     for number, line in enumerate(lines, start=1):
         if line.startswith("```"):
             in_block = not in_block and line[3:].strip() in ("bash", "sh", "shell", "console")
+            held = ""
             continue
         if not in_block:
             continue
+        if line.endswith("\\"):
+            held += line[:-1] + " "
+            continue
+        line, held = held + line, ""
         for part in re.split(r"&&|;|\|", line.split(" #")[0]):
             words = shlex.split(part)
             if words and words[0].rsplit("/", 1)[-1] == "trainbridge":

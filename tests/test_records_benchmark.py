@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "records" / "train_gpt.py"
 RULE = "=" * 100
 FOLDER, LOG = "2099-01-01_Fixture", "0f1e2d3c-fixture.txt"
+SMALL = {"GPTConfig(n_layer)": 1, "GPTConfig(n_embd)": 32, "Hyperparameters.sequence_length": 32,
+         "Hyperparameters.val_tokens": 64}  # val_tokens: one val batch of B * T
 
 
 def _benchmark():
@@ -70,6 +72,7 @@ def test_the_catalog_maps_every_published_record_and_writes_a_one_process_toml(t
         assert toml["data"] == ["data/fineweb10B/"]
         assert all(value is not None for value in toml["overrides"].values())
     early = {r.number: r for r in RECORDS}[5].overrides_all()
+    assert {r.number: r.vocab() for r in RECORDS if r.number in (2, 5, 17, 50)} == {2: 1024, 5: 1024, 17: 50257, 50: 50257}
     assert early["Hyperparameters.val_loss_every"] == 0 and early["GPTConfig(n_layer)"] == 2
 
 
@@ -77,20 +80,25 @@ def test_the_catalog_maps_every_published_record_and_writes_a_one_process_toml(t
 def test_records_benchmark_ports_runs_and_writes_the_page_for_a_record_style_program(tmp_path):
     records = _benchmark()
     mirror = fake_mirror(tmp_path, FIXTURE.read_text(encoding="utf-8"))
-    source = RecordSource(1, "fixture record", FOLDER, LOG, 1.5, script="train_gpt.py", profile="early")
+    # the early profile's shrink, smaller still where the record's names allow (per-record overrides, as the catalog
+    # has them): one layer of width 32 over 32 tokens
+    source = RecordSource(1, "fixture record", FOLDER, LOG, 1.5, script="train_gpt.py", profile="early",
+                          overrides=SMALL)
     script = record_script(mirror, source)
     assert script == FIXTURE.read_text(encoding="utf-8")
 
-    # one intent, one candidate: the attention rewrite (on a loaded 2-core host the whole run took 16 min with two
-    # candidates, 11 of them the analysis; the budget is a ceiling)
-    row = records.run_record(source, mirror, tmp_path / "work", tmp_path / "home", budget_s=1800, max_candidates=1,
+    # one intent, one candidate: the attention rewrite. Most of the run is the torch.compile reference's cold compile
+    # (80 of 141 s on a loaded 2-core host, 5 engineers' runs beside it; the whole test took 318 s there with two
+    # layers of width 64, rotary and QK-norm); the budget is a ceiling
+    row = records.run_record(source, mirror, tmp_path / "work", tmp_path / "home", budget_s=600, max_candidates=1,
                              gate_rounds=6, categories=("attention",), say=lambda line: None)
     repo = tmp_path / "work" / "record-1" / "repo"
     ignored = _git(repo, "status", "--porcelain", "--ignored")
     assert "!! data/" in ignored and "trainbridge.toml" not in ignored  # the shards are ignored, as the real repo has them
     assert row["ported"] is True, row
-    smi = next(n for n, line in enumerate(script.splitlines(), 1) if '["nvidia-smi"]' in line)
-    assert any(item.startswith(f"train_gpt.py:{smi} cuda_api (blocking)") for item in row["not_ported"]), row["not_ported"]
+    # what the port leaves is reported at its line: the program's own torch.compile (nvidia-smi is carried to npu-smi)
+    compiled = next(n for n, line in enumerate(script.splitlines(), 1) if line == "model = torch.compile(model)")
+    assert row["not_ported"] == [f"train_gpt.py:{compiled} compile (blocking): model = torch.compile(model)"], row["not_ported"]
     assert row["ran"] is True, row.get("why")
     assert row["baseline_step_ms"] > 0 and row["npu_kernels_per_step_before"] > 0
     assert row["reference_kernels"].get("forward", 0) > 0 and row["reference_kernels"].get("backward", 0) > 0
@@ -108,7 +116,7 @@ def test_records_benchmark_ports_runs_and_writes_the_page_for_a_record_style_pro
     page = md_path.read_text(encoding="utf-8")
     assert "NPU speed is unmeasured here" in page
     assert f"| 1 | fixture record | 1.50x | yes | {row['npu_kernels_per_step_before']} \u2192" in page
-    assert f"train_gpt.py:{smi} cuda_api (blocking)" in page
+    assert f"train_gpt.py:{compiled} compile (blocking)" in page
 
 
 def test_a_record_missing_from_the_mirror_says_why(tmp_path):
@@ -129,3 +137,46 @@ def test_build_repo_writes_shards_in_the_records_format(tmp_path):
     tokens = np.frombuffer(raw[1024:], dtype=np.uint16)
     assert list(header[:3]) == [20240520, 1, len(tokens)] and tokens.max() < source.vocab()
     assert (repo / "trainbridge.toml").read_text(encoding="utf-8") == toml_text(source)
+
+
+def test_a_folder_the_record_writes_into_is_kept_in_its_repository(tmp_path):
+    """Record 17 opens logs/<run>.txt with its mkdir commented out; logs/ is git-ignored as in the real repository,
+    and a run's scratch mirror shows no untracked output folder: the benchmark keeps logs/ tracked (.gitkeep)."""
+    assert {r.number: r for r in RECORDS}[17].folders == ("logs",)
+    source = RecordSource(17, "fixture record", FOLDER, LOG, 1.5, profile="late", folders=("logs",))
+    repo = build_repo(tmp_path / "repo", source, FIXTURE.read_text(encoding="utf-8"))
+    assert _git(repo, "ls-files", "logs").split() == ["logs/.gitkeep"]
+    assert "!! logs/" not in _git(repo, "status", "--porcelain", "--ignored")
+    (repo / "logs" / "run.txt").write_text("a log\n")
+    assert "logs/run.txt" in _git(repo, "status", "--porcelain", "--ignored")  # what the record writes stays ignored
+
+
+def test_a_record_that_ran_short_of_the_bar_says_why():
+    from records_page import markdown, short_of_bar
+
+    base = {"record": 4, "name": "n", "published_speedup": 1.3, "ran": True, "pending_apis": ["npu_rotary_mul"],
+            "crashed": 1, "reference_kernels": {}, "baseline_step_ms": 1.0, "wall_s": 1.0, "why": None,
+            "not_ported": [], "ported": True}
+    short = {**base, "pending_numerics_ok": 1, "npu_kernels_per_step_before": 931, "npu_kernels_per_step_after": 863,
+             "verdicts": [{"recipe": "attention-sdpa-npu-fusion", "reason": "crashed"},
+                          {"recipe": "adam-npu-fused", "reason": "not_applicable"}]}
+    why = short_of_bar(short)
+    assert "1 numerics-verified rewrite(s), 3 needed (the others: attention-sdpa-npu-fusion crashed)" in why
+    assert "kernels per step cut 7%, 30% needed (the pending head keeps 863 of 931)" in why
+    met = {**short, "pending_numerics_ok": 3, "npu_kernels_per_step_after": 600}
+    assert short_of_bar(met) == "" and short_of_bar({**short, "ran": False}) == ""
+    page = markdown([short, {**met, "record": 5}], ["--records", "4,5"], "today")
+    assert f"- **4 n**: {why}" in page and "- **5 n**" not in page
+
+
+def test_record_12_is_run_as_a_user_would_with_its_documents():
+    """Record 12 (FlexAttention, outside the published table): its toml holds only the launch line, the data and
+    the sizes (no compile(disable), no nvidia-smi stand-in), and its vocabulary stays, so the shards hold
+    <|endoftext|> and its document mask sees documents."""
+    from records_catalog import BY_NUMBER, UNPUBLISHED
+
+    source = BY_NUMBER[12]
+    assert source in UNPUBLISHED and source.published_speedup is None and source.reference
+    toml = tomllib.loads(toml_text(source))
+    assert not {"compile(disable)", "run(executable)", "num_vocab"} & set(toml["overrides"])
+    assert source.vocab() == 50257
