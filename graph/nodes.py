@@ -312,13 +312,24 @@ def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     recipe = ctx.kb.get_recipe(candidate.recipe_id) if candidate.recipe_id else None
     measurable = speed_measurable(ctx.config.target)
     ctx.say(f"gate: {candidate.name} ({f'{ctx.config.gate_rounds} interleaved rounds' if measurable else 'numerics only: no NPU here'})")
-    verdict = judge_candidate(workspace.worktree, Path(candidate.worktree), target=ctx.config.target,
-                              recipe_numerics=recipe.numerics if recipe is not None else None, rounds=ctx.config.gate_rounds,
-                              max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain, launch=ctx.config.launch,
-                              determinism=state.get("determinism"), sites=candidate.sites,
-                              baseline_step_s=state.get("baseline_step_s"),
-                              watched=(ctx.paths.config,),  # the run's settings: hashed over the gate (agents/profiler/tamper.py)
-                              on_progress=GateProgressLines(ctx.say))
+    reference = None
+    if recipe is not None and recipe.numerics.precision_reference is not None and state.get("current_intent"):
+        from trainbridge.agents.coder.precision_reference import make_reference
+
+        reference = make_reference(workspace, Intent.model_validate(state["current_intent"]), recipe,
+                                   overlay=npu_pending.pending_head(ctx, workspace))
+    try:
+        verdict = judge_candidate(workspace.worktree, Path(candidate.worktree), target=ctx.config.target,
+                                  recipe_numerics=recipe.numerics if recipe is not None else None, rounds=ctx.config.gate_rounds,
+                                  max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain, launch=ctx.config.launch,
+                                  determinism=state.get("determinism"), sites=candidate.sites,
+                                  baseline_step_s=state.get("baseline_step_s"),
+                                  watched=(ctx.paths.config,),  # the run's settings: hashed over the gate (agents/profiler/tamper.py)
+                                  on_progress=GateProgressLines(ctx.say),
+                                  reference_root=Path(reference.worktree) if reference is not None else None)
+    finally:
+        if reference is not None:
+            workspace.reject_candidate(reference.name)
     return {"node": "profiler", "verdict": verdict.model_dump(mode="json"), "candidates_tried": (state.get("candidates_tried") or 0) + 1,
             PARTS_KEY: dict(verdict.phase_seconds)}
 

@@ -225,6 +225,17 @@ class Precondition(_Model):
         return self
 
 
+class PrecisionReference(_Model):
+    """The original region computed in higher precision, for the gate only (never committed, never a candidate):
+    the same match as the recipe's, this replacement (and `define`, a helper it calls) instead of the rewrite's.
+    A rewrite that computes in fp32 where the original rounds to bf16 moves a bf16 program's trajectory; it passes
+    when it matches this reference where it does not match the original (agents/profiler/gate.py)."""
+
+    replacement: str = Field(min_length=1)
+    define: str | None = Field(default=None, description="a helper the replacement calls, defined once per file")
+    imports: list[str] = Field(default_factory=list)
+
+
 class Numerics(_Model):
     """How close the rewritten region must stay to the original: bit-exact or within tolerances."""
 
@@ -241,14 +252,21 @@ class Numerics(_Model):
     precision_change: str | None = Field(default=None, min_length=10, description=(
         "how the rewrite rounds differently from the original (a fused kernel computing in fp32 and rounding once, a "
         "reassociated product): a rewrite that passes is flagged for review with this sentence in the run's report"))
+    precision_reference: PrecisionReference | None = Field(default=None, description=(
+        "the original region in higher precision: the gate also compares the candidate with it when the candidate "
+        "does not match the original (needs precision_change)"))
 
     @model_validator(mode="after")
     def _check_class(self) -> "Numerics":
         if self.class_ == "tolerance" and (self.rtol is None or self.atol is None):
             raise ValueError("class 'tolerance' needs rtol and atol")
         if self.class_ == "exact" and any(v is not None for v in (self.rtol, self.atol, self.loss_rtol, self.grad_cosine_min,
-                                                                   self.timed_delta_cosine_min, self.precision_change)):
-            raise ValueError("class 'exact' takes no rtol/atol/loss_rtol/grad_cosine_min/timed_delta_cosine_min/precision_change")
+                                                                   self.timed_delta_cosine_min, self.precision_change,
+                                                                   self.precision_reference)):
+            raise ValueError("class 'exact' takes no rtol/atol/loss_rtol/grad_cosine_min/timed_delta_cosine_min/precision_change/"
+                             "precision_reference")
+        if self.precision_reference is not None and self.precision_change is None:
+            raise ValueError("precision_reference needs precision_change: the sentence the report flags for review")
         return self
 
 

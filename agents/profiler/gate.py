@@ -258,6 +258,7 @@ def run_gate(
     determinism=None,
     watched: tuple[Path, ...] = (),
     harness_before: dict | None = None,
+    reference: Workload | None = None,
 ) -> Verdict:
     """Judge `candidate` against `baseline` (see the module doc). `rng` only for reproducible tests:
     by default seeds and batch indices come from the operating system's entropy. `spawn`: how the
@@ -268,7 +269,10 @@ def run_gate(
     checks two runs of it still share (agents/profiler/nondeterministic.py) and the verdict says so. The installed
     tool, its environment's start-up files and the files in `watched` (the run's state) are hashed before
     and after (`harness_before`: the caller's digest, taken earlier: agents/profiler/tamper.py); any change
-    is `tampered_harness`, whatever the gate decided, and so it is when the baseline failed meanwhile."""
+    is `tampered_harness`, whatever the gate decided, and so it is when the baseline failed meanwhile. `reference`:
+    the baseline with the rewritten region computed in higher precision (a recipe's precision_reference, made by
+    agents/coder/precision_reference.py): a candidate whose numerics check fails against the baseline passes it when
+    it matches the reference instead (`check_against_reference`)."""
     try:
         kind = spawn or fork_server.default_spawn(backend)
     except ValueError as exc:
@@ -283,7 +287,7 @@ def run_gate(
                                 steps_per_round=steps_per_round, min_gain=min_gain, tolerance=tolerance, emulated_speed=emulated_speed,
                                 confidence=confidence, numerics_steps=numerics_steps, batch_index_range=batch_index_range, rng=rng,
                                 extra_env=extra_env, on_progress=on_progress, work_dir=work_dir, pairing=pairing,
-                                determinism=determinism)
+                                determinism=determinism, reference=reference)
         except GateError as exc:
             found = tamper.harness_findings(before, tamper.harness_digest(watched))
             if not found:
@@ -312,7 +316,7 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
               steps_per_round: int | None, min_gain: float, tolerance: NumericsTolerance | None, emulated_speed: bool,
               confidence: float, numerics_steps: int, batch_index_range: int, rng: random.Random | None,
               extra_env: dict[str, str] | None, on_progress: GateProgress | None, work_dir: Path | None,
-              pairing: Pairing | None, determinism) -> Verdict:
+              pairing: Pairing | None, determinism, reference: Workload | None = None) -> Verdict:
     max_rounds = rounds if max_rounds is None else max_rounds
     if rounds < 1 or max_rounds < rounds or numerics_steps < 1 or batch_index_range < numerics_steps:
         raise GateError(f"need rounds >= 1 (got {rounds}), max_rounds >= rounds (got {max_rounds}), numerics_steps >= 1 (got {numerics_steps}) and "
@@ -435,6 +439,16 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
         numerics = with_random_note(numerics, base.report, cand.report)
         if loss_note:
             numerics = numerics.model_copy(update={"message": f"{numerics.message} ({loss_note})"})
+        drift = state.get("drift")
+        noise = frozenset(drift.timed.noise_params) if drift is not None else frozenset()
+        timed = None
+        if index == 0 and reference is not None and not found and not nondeterministic:
+            timed = judge_timed(index, base, cand, tolerance, noise=noise)
+            if not numerics.passed or timed:
+                checked = check_against_reference(reference, cand, inputs, tolerance, numerics, timed, noise=noise,
+                                                  backend=backend, extra_env=env_now(), work_dir=work_dir)
+                numerics, timed = checked.numerics, checked.timed
+                state["precision_reference"] = checked.outcome
         if index == 0:
             state["numerics"] = numerics
         if found:
@@ -442,9 +456,8 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
         if not numerics.passed:
             message = numerics.message if index == 0 else f"{where}: {numerics.message}"
             return verdict(VerdictReason.numerics_mismatch, message, phase, **({} if index == 0 else {"numerics": numerics}))
-        drift = state.get("drift")
-        found = judge_timed(index, base, cand, tolerance, nondeterministic=nondeterministic,
-                            noise=frozenset(drift.timed.noise_params) if drift is not None else frozenset())
+        found = timed if timed is not None else judge_timed(index, base, cand, tolerance, nondeterministic=nondeterministic,
+                                                            noise=noise)
         if found:
             return verdict(VerdictReason(found[0].kind.value), _findings_message(found, numerics), phase, findings=found)
         if index == 0:
@@ -582,6 +595,44 @@ def judge_timed(index: int, base: SideRun, cand: SideRun, tolerance: NumericsTol
     findings = check_timed_losses(index, timed_base, timed_cand, tolerance.timed_loss_rtol, tolerance.loss_atol)
     return findings or check_timed_deltas(index, base.unchanged or [], cand.unchanged or [], base.deltas or {}, cand.deltas or {},
                                           tolerance.timed_delta_cosine_min, tolerance.timed_delta_norm_rtol, noise)
+
+
+@dataclass
+class ReferenceCheck:
+    """The numerics check's outcome once the candidate was also compared with the precision reference: `numerics`
+    and `timed` (the timed steps' findings) are what the gate goes on with; `outcome` says which way it went."""
+
+    numerics: NumericsResult
+    timed: list[Finding]
+    outcome: str
+
+
+def check_against_reference(reference: Workload, cand: SideRun, inputs: RoundInputs, tolerance: NumericsTolerance,
+                            numerics: NumericsResult, timed: list[Finding], *, noise: frozenset[str], backend: str,
+                            extra_env: dict[str, str] | None, work_dir: Path | None) -> ReferenceCheck:
+    """The candidate against the baseline computed in higher precision (`reference`, run alone on the round's
+    inputs), when it did not match the baseline itself (`numerics`, `timed`: that comparison). It passes when the
+    same checks, at the same tolerances, pass against the reference: the candidate then computes the original
+    region more exactly, not something else (a rewrite that skips or changes work differs from both). A reference
+    that fails or whose evidence is not what it reported leaves the baseline comparison standing."""
+    against = numerics.message if not numerics.passed else _findings_message(timed, numerics)
+    ref = run_side(reference, inputs, backend=backend, extra_env=extra_env, work_dir=work_dir, label="reference")
+    if ref.run.failure is not None or ref.forged or ref.report is None:
+        why = ref.run.failure.message if ref.run.failure is not None else "its evidence was not what it reported"
+        note = f"; the precision reference could not be compared ({why[:300]})"
+        return ReferenceCheck(numerics.model_copy(update={"message": numerics.message + note}), timed, "reference_failed")
+    ref_numerics = with_random_note(compare_numerics(ref.report, cand.report, tolerance, baseline_grads=ref.grads,
+                                                     candidate_grads=cand.grads), ref.report, cand.report)
+    ref_timed = judge_timed(0, ref, cand, tolerance, noise=noise) if ref_numerics.passed else []
+    if ref_numerics.passed and not ref_timed:
+        message = (f"the original region computed in higher precision (the recipe's precision reference) and the candidate "
+                   f"agree: {ref_numerics.message}; against the original as it rounds: {against}")
+        return ReferenceCheck(ref_numerics.model_copy(update={"message": message}), [], "matched_reference")
+    differs = ref_numerics.message if not ref_numerics.passed else _findings_message(ref_timed, ref_numerics)
+    note = f"; nor does it match the original computed in higher precision (the recipe's precision reference): {differs}"
+    if not numerics.passed:
+        return ReferenceCheck(numerics.model_copy(update={"message": numerics.message + note}), timed, "differs_from_both")
+    return ReferenceCheck(numerics, [t.model_copy(update={"message": t.message + note}) for t in timed], "differs_from_both")
 
 
 def with_random_note(numerics: NumericsResult, *reports: ProbeReport | None) -> NumericsResult:

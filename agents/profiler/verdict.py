@@ -91,6 +91,9 @@ class Verdict(BaseModel):
     ratio_ci: tuple[float, float] | None = None
     speed: SpeedDecision | None = None
     numerics: NumericsResult | None = None
+    precision_reference: Literal["matched_reference", "differs_from_both", "reference_failed"] | None = Field(
+        default=None, description="where the candidate did not match the baseline and its recipe names a precision reference "
+        "(the original region in higher precision, agents/profiler/gate.py check_against_reference): how that comparison went")
     drift: GateDrift | None = Field(default=None, description="the baseline against itself under another thread count, and the "
                                     "tolerances that allowed")
     findings: list[Finding] = Field(default_factory=list, description="gate-gaming signs")
