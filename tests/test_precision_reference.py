@@ -10,14 +10,17 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import git
 import pytest
 import yaml
 
-from trainbridge.agents.coder.precision_reference import reference_recipe
+from trainbridge.agents.coder.candidate import Candidate, make_candidate
+from trainbridge.agents.coder.precision_reference import make_reference, reference_recipe
 from trainbridge.agents.profiler.gate import run_gate
 from trainbridge.agents.profiler.verdict import VerdictReason
 from trainbridge.knowledge.schema import Numerics, Recipe
-from trainbridge.records import SourceSpan
+from trainbridge.records import Intent, SourceSpan
+from trainbridge.tests.git_ops_support import no_global_git_identity, workspace  # noqa: F401 - autouse fixture
 from trainbridge.sandbox.workload import load_workload
 from trainbridge.tools.codemods.engine import apply_recipe
 
@@ -131,3 +134,31 @@ def test_a_precision_reference_needs_the_sentence_the_report_flags():
                                  "precision_reference": {"replacement": "f($x)"}})
     with pytest.raises(ValueError, match="class 'exact' takes no"):
         Numerics.model_validate({"class": "exact", "precision_reference": {"replacement": "f($x)"}})
+
+
+def test_the_reference_is_made_beside_the_candidate_on_the_same_span_and_leaves_nothing_in_the_run(tmp_path):
+    root = tmp_path / "user"
+    repo = git.Repo.init(root, initial_branch="main")
+    with repo.config_writer() as config:
+        config.set_value("user", "name", "Alice")
+        config.set_value("user", "email", "alice@example.com")
+    (root / "model.py").write_text("import torch\nimport torch.nn.functional as F\n\n\ndef loss_of(logits, targets):\n"
+                                   "    return F.cross_entropy(logits, targets, ignore_index=-1)\n", encoding="utf-8")
+    repo.git.add("-A")
+    repo.git.commit("-m", "initial")
+    recipe = Recipe.model_validate(yaml.safe_load((RECIPES / "cross-entropy-library-npu.yaml").read_text(encoding="utf-8")))
+    span = SourceSpan(file="model.py", line_start=6, line_end=6, function="loss_of")
+    intent = Intent(id=Intent.make_id("cross_entropy", [span]), category="cross_entropy", spans=[span], confidence=0.9,
+                    source="static")
+    space = workspace(repo, tmp_path)
+    candidate = make_candidate(space, intent, recipe)
+    reference = make_reference(space, intent, recipe, overlay=None)
+    assert isinstance(candidate, Candidate) and isinstance(reference, Candidate) and reference.name != candidate.name
+    assert "_tb_npu_cross_entropy(logits, targets" in (Path(candidate.worktree) / "model.py").read_text(encoding="utf-8")
+    assert "_tb_reference_cross_entropy(logits, targets" in (Path(reference.worktree) / "model.py").read_text(encoding="utf-8")
+    run_head = space.head_sha
+    space.reject_candidate(reference.name)
+    assert not Path(reference.worktree).exists() and space.head_sha == run_head
+    assert any("precision-reference" in ref.name for ref in repo.refs) is False  # its branch went with it
+    assert any("cross-entropy-library-npu" in ref.name for ref in repo.refs)  # the candidate's stays
+    assert make_reference(space, intent, recipe.model_copy(update={"numerics": Numerics(class_="exact")}), overlay=None) is None

@@ -101,8 +101,8 @@ def batch(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             newly_done.append(intent.id)
             continue
         kept.append({"intent": lane["intent"], "queue": turn.queue})
-        jobs.append(_job(ctx, workspace, turn.candidate, index=len(jobs), head=head,
-                         baseline_step_s=state.get("baseline_step_s")).model_dump(mode="json"))
+        jobs.append(_job(ctx, workspace, turn.candidate, index=len(jobs), head=head, baseline_step_s=state.get("baseline_step_s"),
+                         intent=intent, overlay=overlay).model_dump(mode="json"))
     update: dict[str, Any] = {"node": "batch", "lanes": kept + lanes, "batch": jobs, "batch_head": head,
                               "gate_results": None, "verdicts": refusals, "done_intents": newly_done,
                               "tried_sites": tried_sites(state, refusals)}
@@ -113,14 +113,22 @@ def batch(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     return update
 
 
-def _job(ctx: RunContext, workspace, candidate: Candidate, *, index: int, head: str, baseline_step_s: float | None = None) -> GateJob:
+def _job(ctx: RunContext, workspace, candidate: Candidate, *, index: int, head: str, baseline_step_s: float | None = None,
+         intent: Intent | None = None, overlay: str | None = None) -> GateJob:
     recipe = ctx.kb.get_recipe(candidate.recipe_id) if candidate.recipe_id else None
     view = detached_view(workspace, f"gate-base-{index}", head)  # each slot reads a baseline of its own
+    reference = None
+    if recipe is not None and recipe.numerics.precision_reference is not None and intent is not None:
+        from trainbridge.agents.coder.precision_reference import make_reference
+
+        reference = make_reference(workspace, intent, recipe, overlay=overlay)
     return GateJob(index=index, candidate=candidate.model_dump(mode="json"), baseline_root=str(view), baseline_sha=head,
                    candidate_root=candidate.worktree, candidate_sha=candidate.sha, target=ctx.config.target,
                    numerics=recipe.numerics.model_dump(mode="json", by_alias=True) if recipe is not None else None,
                    rounds=ctx.config.gate_rounds, max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain,
-                   launch=ctx.config.launch, slot=index, baseline_step_s=baseline_step_s)
+                   launch=ctx.config.launch, slot=index, baseline_step_s=baseline_step_s,
+                   reference_root=reference.worktree if reference is not None else None,
+                   reference_name=reference.name if reference is not None else None)
 
 
 def route_after_batch(state: RunState, runtime: Runtime[RunContext]) -> list[Send] | Literal["report"]:
@@ -167,6 +175,8 @@ def merge(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     for result in results:
         job, verdict = GateJob.model_validate(result["job"]), result["verdict"]
         candidate = Candidate.model_validate(job.candidate)
+        if job.reference_name:  # the precision reference has served its gate
+            workspace.reject_candidate(job.reference_name)
         lane = lanes.get(candidate.intent_id) or {"intent": None, "queue": []}
         if verdict["accepted"] and job.baseline_sha != head:
             stale.append((job, candidate, lane))
@@ -213,7 +223,8 @@ def merge(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         view = detached_view(workspace, f"gate-base-{len(regate)}", head)
         regate.append(job.model_copy(update={"index": len(regate), "slot": len(regate), "candidate": moved.model_dump(mode="json"),
                                              "candidate_sha": moved.sha, "candidate_root": moved.worktree,
-                                             "baseline_root": str(view), "baseline_sha": head}).model_dump(mode="json"))
+                                             "baseline_root": str(view), "baseline_sha": head,
+                                             "reference_root": None, "reference_name": None}).model_dump(mode="json"))
     keep = [lane for key, lane in lanes.items() if key not in done]
     return {"node": "merge", "verdicts": records, "tried_sites": tried_sites(state, records), "accepted": accepted,
             "done_intents": done, "low_gain_rounds": low_gain,

@@ -43,6 +43,8 @@ class GateJob(BaseModel):
     launch: str | None = None
     slot: int = 0
     baseline_step_s: float | None = None  # the run's baseline step time: the gate sizes its children's steps by it
+    reference_root: str | None = None  # the recipe's precision reference worktree (agents/coder/precision_reference.py)
+    reference_name: str | None = None  # its candidate name, dropped once the batch is decided
 
 
 class GateJobError(RuntimeError):
@@ -51,7 +53,8 @@ class GateJobError(RuntimeError):
 
 def judge_job(job: GateJob, *, baseline_root: Path | None = None, candidate_root: Path | None = None) -> dict[str, Any]:
     """Run the gate for `job` in this process; the verdict as JSON. The roots default to the job's own
-    (a Ray worker passes the worktrees it checked out from the bundle instead)."""
+    (a Ray worker passes the worktrees it checked out from the bundle instead; the precision reference is not in
+    the bundle, so a candidate judged there goes without it, and a precision change stays rejected)."""
     from trainbridge.agents.profiler.judge import judge_candidate
     from trainbridge.knowledge.schema import Numerics
     from trainbridge.records import SourceSpan
@@ -60,7 +63,8 @@ def judge_job(job: GateJob, *, baseline_root: Path | None = None, candidate_root
     verdict = judge_candidate(baseline_root or Path(job.baseline_root), candidate_root or Path(job.candidate_root),
                               target=job.target, recipe_numerics=numerics, rounds=job.rounds, max_rounds=job.max_rounds,
                               min_gain=job.min_gain, launch=job.launch, baseline_step_s=job.baseline_step_s,
-                              sites=[SourceSpan.model_validate(s) for s in job.candidate.get("sites", [])])
+                              sites=[SourceSpan.model_validate(s) for s in job.candidate.get("sites", [])],
+                              reference_root=Path(job.reference_root) if job.reference_root and baseline_root is None else None)
     return verdict.model_dump(mode="json")
 
 
