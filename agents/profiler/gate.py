@@ -23,7 +23,9 @@
    (the first round also runs the baseline under another thread count: `drift`). The first round's
    numerics are the verdict's numerics; with
    ``emulated_speed`` (NPU emulation on a host without an NPU) the gate stops after it:
-   ``speed_unmeasured_numerics_ok``.
+   ``speed_unmeasured_numerics_ok``. A candidate whose first round does not match the baseline is
+   also compared with the recipe's precision ``reference`` where it has one (the original region
+   computed in higher precision, run alone on the same inputs: `check_against_reference`).
 4. **Decision** on the per-round medians of the parent-timed measured steps, by the sequential
    rule (`sequential.SequentialGate`): a look at 6, 8, 10, ... rounds up to ``max_rounds`` (the
    first decides only when all its rounds agree, the later ones share the rest of the error
@@ -604,7 +606,7 @@ class ReferenceCheck:
 
     numerics: NumericsResult
     timed: list[Finding]
-    outcome: str
+    outcome: Literal["matched_reference", "differs_from_both", "reference_failed"]
 
 
 def check_against_reference(reference: Workload, cand: SideRun, inputs: RoundInputs, tolerance: NumericsTolerance,
