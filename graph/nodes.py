@@ -312,12 +312,16 @@ def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
     recipe = ctx.kb.get_recipe(candidate.recipe_id) if candidate.recipe_id else None
     measurable = speed_measurable(ctx.config.target)
     ctx.say(f"gate: {candidate.name} ({f'{ctx.config.gate_rounds} interleaved rounds' if measurable else 'numerics only: no NPU here'})")
-    reference = None
+    reference, reference_root, reference_what = None, None, None  # what the candidate may match instead of the baseline
     if recipe is not None and recipe.numerics.precision_reference is not None and state.get("current_intent"):
         from trainbridge.agents.coder.precision_reference import make_reference
 
         reference = make_reference(workspace, Intent.model_validate(state["current_intent"]), recipe,
                                    overlay=npu_pending.pending_head(ctx, workspace))
+        reference_root = Path(reference.worktree) if reference is not None else None
+    if reference_root is None:
+        reference_root = npu_pending.pending_reference(ctx, workspace, state)
+        reference_what = npu_pending.PENDING_REFERENCE if reference_root is not None else None
     try:
         verdict = judge_candidate(workspace.worktree, Path(candidate.worktree), target=ctx.config.target,
                                   recipe_numerics=recipe.numerics if recipe is not None else None, rounds=ctx.config.gate_rounds,
@@ -326,7 +330,7 @@ def profiler(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
                                   baseline_step_s=state.get("baseline_step_s"),
                                   watched=(ctx.paths.config,),  # the run's settings: hashed over the gate (agents/profiler/tamper.py)
                                   on_progress=GateProgressLines(ctx.say),
-                                  reference_root=Path(reference.worktree) if reference is not None else None)
+                                  reference_root=reference_root, reference_what=reference_what)
     finally:
         if reference is not None:
             workspace.reject_candidate(reference.name)
@@ -354,6 +358,8 @@ def decide(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         if recipe is not None and recipe.numerics.precision_change and (
                 verdict["accepted"] or verdict["reason"] == "speed_unmeasured_numerics_ok"):
             record["precision_change"] = recipe.numerics.precision_change  # kept, flagged for review (tools/report/sections.py)
+        if verdict.get("precision_reference"):  # later candidates on the pending branch are judged against its head too
+            record["precision_reference"] = verdict["precision_reference"]
         if verdict["accepted"]:
             result = workspace.accept_candidate(candidate.name)
             record["sha"] = result.sha

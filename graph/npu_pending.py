@@ -11,6 +11,9 @@ from trainbridge.graph.context import RunContext
 from trainbridge.sandbox.backends import npu_emulated
 
 PENDING_VIEW = "pending-view"
+PENDING_REFERENCE_VIEW = "pending-reference"
+PENDING_REFERENCE = ("the verified pending head it stacks on (a rewrite there computes in higher precision than the original "
+                     "and was verified against its precision reference)")
 
 
 def pending_head(ctx: RunContext, workspace) -> str | None:
@@ -47,3 +50,23 @@ def pending_view(workspace, sha: str) -> Path:
     from trainbridge.graph.detached_views import detached_view
 
     return detached_view(workspace, PENDING_VIEW, sha)
+
+
+def precision_on_pending(state) -> bool:
+    """Whether a rewrite on the pending branch passed only against its recipe's precision reference: its program
+    then follows another trajectory than the original, by design, and so does every candidate that stacks on it."""
+    return any(v.get("pending_branch") and v.get("precision_reference") == "matched_reference"
+               for v in state.get("verdicts") or [])
+
+
+def pending_reference(ctx: RunContext, workspace, state, *, view: str = PENDING_REFERENCE_VIEW) -> Path | None:
+    """The gate's reference for a candidate that stacks on a pending branch holding such a rewrite (see
+    `precision_on_pending`): a detached worktree at the pending head, verified itself, which the candidate must match
+    where it no longer matches the original (agents/profiler/gate.py, `check_against_reference`); `view`: its folder's
+    name (one per gate slot: a gate removes its reference's side folders when it ends). None otherwise."""
+    head = pending_head(ctx, workspace)
+    if head is None or not precision_on_pending(state):
+        return None
+    from trainbridge.graph.detached_views import detached_view
+
+    return detached_view(workspace, view, head)

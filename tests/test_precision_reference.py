@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import git
 import pytest
@@ -18,6 +19,7 @@ from trainbridge.agents.coder.candidate import Candidate, make_candidate
 from trainbridge.agents.coder.precision_reference import make_reference, reference_recipe
 from trainbridge.agents.profiler.gate import run_gate
 from trainbridge.agents.profiler.verdict import VerdictReason
+from trainbridge.graph import npu_pending
 from trainbridge.knowledge.schema import Numerics, Recipe
 from trainbridge.records import Intent, SourceSpan
 from trainbridge.tests.git_ops_support import no_global_git_identity, workspace  # noqa: F401 - autouse fixture
@@ -81,9 +83,9 @@ def workload(root: Path, region: str):
     return load_workload(folder)
 
 
-def gate(tmp_path: Path, candidate: str, reference: str | None):
+def gate(tmp_path: Path, candidate: str, reference: str | None, what: str | None = None):
     return run_gate(workload(tmp_path, "coarse"), workload(tmp_path, candidate), rounds=2, emulated_speed=True,
-                    rng=random.Random(11), reference=workload(tmp_path, reference) if reference else None)
+                    rng=random.Random(11), reference=workload(tmp_path, reference) if reference else None, reference_what=what)
 
 
 @pytest.mark.timeout(600)
@@ -100,10 +102,10 @@ def test_an_exact_rewrite_of_a_rounding_region_fails_against_the_original_and_pa
 
 @pytest.mark.timeout(600)
 def test_a_rewrite_that_computes_something_else_matches_neither_and_stays_rejected(tmp_path):
-    judged = gate(tmp_path, "exact_halved", "reference")
+    judged = gate(tmp_path, "exact_halved", "reference", what="the verified pending head it stacks on")
     assert judged.reason == VerdictReason.numerics_mismatch, judged.message
     assert judged.precision_reference == "differs_from_both"
-    assert "nor does it match the original computed in higher precision" in judged.message
+    assert "nor does it match the verified pending head it stacks on" in judged.message
 
 
 @pytest.mark.timeout(600)
@@ -111,7 +113,7 @@ def test_a_reference_that_cannot_run_leaves_the_comparison_with_the_original_sta
     judged = gate(tmp_path, "exact", "reference_raises")
     assert judged.reason in (VerdictReason.numerics_mismatch, VerdictReason.skipped_work), judged.message
     assert judged.precision_reference == "reference_failed"
-    assert "the precision reference could not be compared" in judged.message
+    assert "(the recipe's precision reference) could not be compared (RuntimeError: the reference cannot run here)" in judged.message
 
 
 def test_the_fused_cross_entropy_recipe_names_a_reference_that_applies_where_the_recipe_does():
@@ -162,3 +164,30 @@ def test_the_reference_is_made_beside_the_candidate_on_the_same_span_and_leaves_
     assert any("precision-reference" in ref.name for ref in repo.refs) is False  # its branch went with it
     assert any("cross-entropy-library-npu" in ref.name for ref in repo.refs)  # the candidate's stays
     assert make_reference(space, intent, recipe.model_copy(update={"numerics": Numerics(class_="exact")}), overlay=None) is None
+
+
+def test_a_candidate_stacked_on_a_precision_change_is_given_the_pending_head_as_its_reference(tmp_path):
+    root = tmp_path / "user"
+    repo = git.Repo.init(root, initial_branch="main")
+    with repo.config_writer() as config:
+        config.set_value("user", "name", "Alice")
+        config.set_value("user", "email", "alice@example.com")
+    (root / "model.py").write_text("import torch\nimport torch.nn.functional as F\n\n\ndef loss_of(logits, targets):\n"
+                                   "    return F.cross_entropy(logits, targets)\n", encoding="utf-8")
+    repo.git.add("-A")
+    repo.git.commit("-m", "initial")
+    recipe = Recipe.model_validate(yaml.safe_load((RECIPES / "cross-entropy-library-npu.yaml").read_text(encoding="utf-8")))
+    span = SourceSpan(file="model.py", line_start=6, line_end=6, function="loss_of")
+    intent = Intent(id=Intent.make_id("cross_entropy", [span]), category="cross_entropy", spans=[span], confidence=0.9,
+                    source="static")
+    space = workspace(repo, tmp_path)
+    ctx = SimpleNamespace(config=SimpleNamespace(target="npu", run_id=space.run_id))
+    assert npu_pending.pending_reference(ctx, space, {"verdicts": []}) is None  # no pending branch yet
+    branch, _ = npu_pending.stack_on_pending(ctx, space, make_candidate(space, intent, recipe))
+    plain = {"verdicts": [{"pending_branch": branch, "reason": "speed_unmeasured_numerics_ok"}]}
+    assert npu_pending.pending_reference(ctx, space, plain) is None  # pending rewrites that matched the original itself
+    stacked = {"verdicts": [{"pending_branch": branch, "reason": "speed_unmeasured_numerics_ok",
+                             "precision_reference": "matched_reference"}]}
+    view = npu_pending.pending_reference(ctx, space, stacked)
+    assert view is not None and "_tb_npu_cross_entropy(logits, targets)" in (view / "model.py").read_text(encoding="utf-8")
+    assert "F.cross_entropy(logits, targets)" in (root / "model.py").read_text(encoding="utf-8")  # the user's checkout

@@ -24,8 +24,9 @@
    numerics are the verdict's numerics; with
    ``emulated_speed`` (NPU emulation on a host without an NPU) the gate stops after it:
    ``speed_unmeasured_numerics_ok``. A candidate whose first round does not match the baseline is
-   also compared with the recipe's precision ``reference`` where it has one (the original region
-   computed in higher precision, run alone on the same inputs: `check_against_reference`).
+   also compared with a ``reference`` where the caller gives one, run alone on the same inputs
+   (`check_against_reference`): the recipe's precision reference (the original region computed in
+   higher precision), or the verified pending head a candidate stacks on.
 4. **Decision** on the per-round medians of the parent-timed measured steps, by the sequential
    rule (`sequential.SequentialGate`): a look at 6, 8, 10, ... rounds up to ``max_rounds`` (the
    first decides only when all its rounds agree, the later ones share the rest of the error
@@ -261,6 +262,7 @@ def run_gate(
     watched: tuple[Path, ...] = (),
     harness_before: dict | None = None,
     reference: Workload | None = None,
+    reference_what: str | None = None,
 ) -> Verdict:
     """Judge `candidate` against `baseline` (see the module doc). `rng` only for reproducible tests:
     by default seeds and batch indices come from the operating system's entropy. `spawn`: how the
@@ -272,9 +274,11 @@ def run_gate(
     tool, its environment's start-up files and the files in `watched` (the run's state) are hashed before
     and after (`harness_before`: the caller's digest, taken earlier: agents/profiler/tamper.py); any change
     is `tampered_harness`, whatever the gate decided, and so it is when the baseline failed meanwhile. `reference`:
-    the baseline with the rewritten region computed in higher precision (a recipe's precision_reference, made by
-    agents/coder/precision_reference.py): a candidate whose numerics check fails against the baseline passes it when
-    it matches the reference instead (`check_against_reference`)."""
+    a program the candidate may match instead of the baseline, `reference_what` saying what it is (default: the
+    baseline with the rewritten region computed in higher precision, a recipe's precision_reference made by
+    agents/coder/precision_reference.py; the run also passes the verified pending head a candidate stacks on, where a
+    rewrite there was verified against its precision reference): a candidate whose numerics check fails against the
+    baseline passes it when it matches the reference (`check_against_reference`)."""
     try:
         kind = spawn or fork_server.default_spawn(backend)
     except ValueError as exc:
@@ -289,7 +293,7 @@ def run_gate(
                                 steps_per_round=steps_per_round, min_gain=min_gain, tolerance=tolerance, emulated_speed=emulated_speed,
                                 confidence=confidence, numerics_steps=numerics_steps, batch_index_range=batch_index_range, rng=rng,
                                 extra_env=extra_env, on_progress=on_progress, work_dir=work_dir, pairing=pairing,
-                                determinism=determinism, reference=reference)
+                                determinism=determinism, reference=reference, reference_what=reference_what)
         except GateError as exc:
             found = tamper.harness_findings(before, tamper.harness_digest(watched))
             if not found:
@@ -318,7 +322,8 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
               steps_per_round: int | None, min_gain: float, tolerance: NumericsTolerance | None, emulated_speed: bool,
               confidence: float, numerics_steps: int, batch_index_range: int, rng: random.Random | None,
               extra_env: dict[str, str] | None, on_progress: GateProgress | None, work_dir: Path | None,
-              pairing: Pairing | None, determinism, reference: Workload | None = None) -> Verdict:
+              pairing: Pairing | None, determinism, reference: Workload | None = None,
+              reference_what: str | None = None) -> Verdict:
     max_rounds = rounds if max_rounds is None else max_rounds
     if rounds < 1 or max_rounds < rounds or numerics_steps < 1 or batch_index_range < numerics_steps:
         raise GateError(f"need rounds >= 1 (got {rounds}), max_rounds >= rounds (got {max_rounds}), numerics_steps >= 1 (got {numerics_steps}) and "
@@ -448,7 +453,8 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
             timed = judge_timed(index, base, cand, tolerance, noise=noise)
             if not numerics.passed or timed:
                 checked = check_against_reference(reference, cand, inputs, tolerance, numerics, timed, noise=noise,
-                                                  backend=backend, extra_env=env_now(), work_dir=work_dir)
+                                                  backend=backend, extra_env=env_now(), work_dir=work_dir,
+                                                  what=reference_what or RECIPE_REFERENCE)
                 numerics, timed = checked.numerics, checked.timed
                 state["precision_reference"] = checked.outcome
         if index == 0:
@@ -609,29 +615,33 @@ class ReferenceCheck:
     outcome: Literal["matched_reference", "differs_from_both", "reference_failed"]
 
 
+RECIPE_REFERENCE = "the original region computed in higher precision (the recipe's precision reference)"
+
+
 def check_against_reference(reference: Workload, cand: SideRun, inputs: RoundInputs, tolerance: NumericsTolerance,
                             numerics: NumericsResult, timed: list[Finding], *, noise: frozenset[str], backend: str,
-                            extra_env: dict[str, str] | None, work_dir: Path | None) -> ReferenceCheck:
+                            extra_env: dict[str, str] | None, work_dir: Path | None,
+                            what: str = RECIPE_REFERENCE) -> ReferenceCheck:
     """The candidate against the baseline computed in higher precision (`reference`, run alone on the round's
     inputs), when it did not match the baseline itself (`numerics`, `timed`: that comparison). It passes when the
     same checks, at the same tolerances, pass against the reference: the candidate then computes the original
     region more exactly, not something else (a rewrite that skips or changes work differs from both). A reference
-    that fails or whose evidence is not what it reported leaves the baseline comparison standing."""
+    that fails or whose evidence is not what it reported leaves the baseline comparison standing. `what`: what the
+    reference is, as the verdict's message says it."""
     against = numerics.message if not numerics.passed else _findings_message(timed, numerics)
     ref = run_side(reference, inputs, backend=backend, extra_env=extra_env, work_dir=work_dir, label="reference")
     if ref.run.failure is not None or ref.forged or ref.report is None:
         why = ref.run.failure.message if ref.run.failure is not None else "its evidence was not what it reported"
-        note = f"; the precision reference could not be compared ({why[:300]})"
+        note = f"; {what} could not be compared ({why[:300]})"
         return ReferenceCheck(numerics.model_copy(update={"message": numerics.message + note}), timed, "reference_failed")
     ref_numerics = with_random_note(compare_numerics(ref.report, cand.report, tolerance, baseline_grads=ref.grads,
                                                      candidate_grads=cand.grads), ref.report, cand.report)
     ref_timed = judge_timed(0, ref, cand, tolerance, noise=noise) if ref_numerics.passed else []
     if ref_numerics.passed and not ref_timed:
-        message = (f"the original region computed in higher precision (the recipe's precision reference) and the candidate "
-                   f"agree: {ref_numerics.message}; against the original as it rounds: {against}")
+        message = f"{what} and the candidate agree: {ref_numerics.message}; against the original as it rounds: {against}"
         return ReferenceCheck(ref_numerics.model_copy(update={"message": message}), [], "matched_reference")
     differs = ref_numerics.message if not ref_numerics.passed else _findings_message(ref_timed, ref_numerics)
-    note = f"; nor does it match the original computed in higher precision (the recipe's precision reference): {differs}"
+    note = f"; nor does it match {what}: {differs}"
     if not numerics.passed:
         return ReferenceCheck(numerics.model_copy(update={"message": numerics.message + note}), timed, "differs_from_both")
     return ReferenceCheck(numerics, [t.model_copy(update={"message": t.message + note}) for t in timed], "differs_from_both")

@@ -63,7 +63,7 @@ def ready_servers(baseline_root: Path, *, target: str, launch: str | None = None
 def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, recipe_numerics=None, rounds: int,
                     max_rounds: int | None, min_gain: float, launch: str | None = None, determinism: dict | None = None,
                     sites: list | None = None, baseline_step_s: float | None = None, watched: tuple[Path, ...] = (),
-                    on_progress=None, reference_root: Path | None = None) -> Verdict:
+                    on_progress=None, reference_root: Path | None = None, reference_what: str | None = None) -> Verdict:
     """The gate's verdict on the candidate worktree against the baseline worktree (`launch`: the
     run's script-mode launch line, when it gave one on the command line; `determinism`: the run's
     repeatability report of the unmodified program, as the prepare node stored it; `sites`: the
@@ -72,7 +72,8 @@ def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, r
     baseline step time, from which the gate sizes its children's measured steps, `gate.gate_steps`; `watched`: the
     run's state files, hashed with the installed tool before the region lab and after the gate: agents/profiler/tamper.py;
     `on_progress`: the gate's (phase, done, total) callback, `gate.GateProgress`; `reference_root`: a worktree of the
-    baseline with the region computed in higher precision, the recipe's precision reference, `gate.run_gate`)."""
+    baseline with the region computed in higher precision, the recipe's precision reference, or the verified pending
+    head the candidate stacks on, `reference_what` saying which: `gate.run_gate`)."""
     from trainbridge.sandbox.script.determinism import DeterminismReport
 
     tolerance = tolerance_for(recipe_numerics) if recipe_numerics is not None else None
@@ -85,7 +86,7 @@ def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, r
         return _judge(workload(baseline_root), workload(candidate_root), target=target, tolerance=tolerance, rounds=rounds,
                       max_rounds=max_rounds, min_gain=min_gain, report=report, sites=sites, baseline_step_s=baseline_step_s,
                       watched=watched, on_progress=on_progress,
-                      reference=workload(reference_root) if reference_root is not None else None)
+                      reference=workload(reference_root) if reference_root is not None else None, reference_what=reference_what)
     finally:
         remove_side(candidate_root)  # its children's HOME, TMPDIR and compile caches (sandbox/confinement.py)
         if reference_root is not None:
@@ -94,7 +95,7 @@ def judge_candidate(baseline_root: Path, candidate_root: Path, *, target: str, r
 
 def _judge(baseline, candidate, *, target: str, tolerance, rounds: int, max_rounds: int | None, min_gain: float, report,
            sites: list | None, baseline_step_s: float | None, watched: tuple[Path, ...], on_progress=None,
-           reference=None) -> Verdict:
+           reference=None, reference_what: str | None = None) -> Verdict:
     region = None
     harness_before = tamper.harness_digest(watched)  # the region lab runs the candidate's code too
     if sites and speed_measurable(target) and lab_enabled() and baseline.config.mode == "entry":
@@ -105,7 +106,7 @@ def _judge(baseline, candidate, *, target: str, tolerance, rounds: int, max_roun
     verdict = run_gate(baseline, candidate, backend=target, rounds=rounds, max_rounds=max_rounds, min_gain=min_gain,
                        steps_per_round=gate_steps(baseline.config.steps, baseline_step_s), tolerance=tolerance,
                        emulated_speed=not speed_measurable(target), determinism=report, watched=watched,
-                       harness_before=harness_before, on_progress=on_progress, reference=reference)
+                       harness_before=harness_before, on_progress=on_progress, reference=reference, reference_what=reference_what)
     if region is None:
         return verdict
     seconds = {"region": round(region.wall_s, 3), **verdict.phase_seconds}

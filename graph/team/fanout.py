@@ -102,7 +102,7 @@ def batch(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
             continue
         kept.append({"intent": lane["intent"], "queue": turn.queue})
         jobs.append(_job(ctx, workspace, turn.candidate, index=len(jobs), head=head, baseline_step_s=state.get("baseline_step_s"),
-                         intent=intent, overlay=overlay).model_dump(mode="json"))
+                         intent=intent, overlay=overlay, state=state).model_dump(mode="json"))
     update: dict[str, Any] = {"node": "batch", "lanes": kept + lanes, "batch": jobs, "batch_head": head,
                               "gate_results": None, "verdicts": refusals, "done_intents": newly_done,
                               "tried_sites": tried_sites(state, refusals)}
@@ -114,7 +114,7 @@ def batch(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
 
 
 def _job(ctx: RunContext, workspace, candidate: Candidate, *, index: int, head: str, baseline_step_s: float | None = None,
-         intent: Intent | None = None, overlay: str | None = None) -> GateJob:
+         intent: Intent | None = None, overlay: str | None = None, state: RunState | None = None) -> GateJob:
     recipe = ctx.kb.get_recipe(candidate.recipe_id) if candidate.recipe_id else None
     view = detached_view(workspace, f"gate-base-{index}", head)  # each slot reads a baseline of its own
     reference = None
@@ -122,12 +122,17 @@ def _job(ctx: RunContext, workspace, candidate: Candidate, *, index: int, head: 
         from trainbridge.agents.coder.precision_reference import make_reference
 
         reference = make_reference(workspace, intent, recipe, overlay=overlay)
+    reference_root = reference.worktree if reference is not None else None
+    reference_what = None
+    if reference_root is None and state is not None:  # a candidate stacked on a precision change (graph/npu_pending.py)
+        pending = npu_pending.pending_reference(ctx, workspace, state, view=f"{npu_pending.PENDING_REFERENCE_VIEW}-{index}")
+        reference_root, reference_what = (str(pending), npu_pending.PENDING_REFERENCE) if pending is not None else (None, None)
     return GateJob(index=index, candidate=candidate.model_dump(mode="json"), baseline_root=str(view), baseline_sha=head,
                    candidate_root=candidate.worktree, candidate_sha=candidate.sha, target=ctx.config.target,
                    numerics=recipe.numerics.model_dump(mode="json", by_alias=True) if recipe is not None else None,
                    rounds=ctx.config.gate_rounds, max_rounds=ctx.config.gate_rounds_limit, min_gain=ctx.config.min_gain,
                    launch=ctx.config.launch, slot=index, baseline_step_s=baseline_step_s,
-                   reference_root=reference.worktree if reference is not None else None,
+                   reference_root=reference_root, reference_what=reference_what,
                    reference_name=reference.name if reference is not None else None)
 
 
@@ -184,6 +189,8 @@ def merge(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         record = verdict_record(candidate, accepted=verdict["accepted"], reason=verdict["reason"], message=verdict["message"],
                                  ratio=verdict.get("ratio"), ratio_ci=verdict.get("ratio_ci"))
         record["gate"] = gate_summary(verdict)  # the rounds the report plots, as the one-gate path keeps them
+        if verdict.get("precision_reference"):  # later candidates on the pending branch are judged against its head too
+            record["precision_reference"] = verdict["precision_reference"]
         intent_state = {"current_intent": lane["intent"] or _intent_of(state, candidate), "verdict": verdict}
         if verdict["accepted"]:
             moved = workspace.accept_candidate(candidate.name)
@@ -224,7 +231,7 @@ def merge(state: RunState, runtime: Runtime[RunContext]) -> dict[str, Any]:
         regate.append(job.model_copy(update={"index": len(regate), "slot": len(regate), "candidate": moved.model_dump(mode="json"),
                                              "candidate_sha": moved.sha, "candidate_root": moved.worktree,
                                              "baseline_root": str(view), "baseline_sha": head,
-                                             "reference_root": None, "reference_name": None}).model_dump(mode="json"))
+                                             "reference_root": None, "reference_what": None, "reference_name": None}).model_dump(mode="json"))
     keep = [lane for key, lane in lanes.items() if key not in done]
     return {"node": "merge", "verdicts": records, "tried_sites": tried_sites(state, records), "accepted": accepted,
             "done_intents": done, "low_gain_rounds": low_gain,

@@ -44,6 +44,7 @@ class GateJob(BaseModel):
     slot: int = 0
     baseline_step_s: float | None = None  # the run's baseline step time: the gate sizes its children's steps by it
     reference_root: str | None = None  # the recipe's precision reference worktree (agents/coder/precision_reference.py)
+    reference_what: str | None = None  # what the reference is, when not the recipe's (the pending head: graph/npu_pending.py)
     reference_name: str | None = None  # its candidate name, dropped once the batch is decided
 
 
@@ -64,7 +65,8 @@ def judge_job(job: GateJob, *, baseline_root: Path | None = None, candidate_root
                               target=job.target, recipe_numerics=numerics, rounds=job.rounds, max_rounds=job.max_rounds,
                               min_gain=job.min_gain, launch=job.launch, baseline_step_s=job.baseline_step_s,
                               sites=[SourceSpan.model_validate(s) for s in job.candidate.get("sites", [])],
-                              reference_root=Path(job.reference_root) if job.reference_root and baseline_root is None else None)
+                              reference_root=Path(job.reference_root) if job.reference_root and baseline_root is None else None,
+                              reference_what=job.reference_what)
     return verdict.model_dump(mode="json")
 
 
