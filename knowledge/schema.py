@@ -249,6 +249,10 @@ class Numerics(_Model):
         "per-parameter floor on the cosine of its change over the timed steps, candidate vs baseline, when the gate's "
         "default (0.99) is tighter than the rewrite's rounding allows once an optimizer amplifies it (never below the "
         "gate's own floor for a drifting baseline, 0.9)"))
+    timed_delta_norm_rtol: float | None = Field(default=None, gt=0, le=1, description=(
+        "per-parameter relative difference of the size of its change over the timed steps, when the gate's default "
+        "(0.1) is tighter than the rewrite's rounding allows once an optimizer amplifies it (never above the gate's own "
+        "cap for a drifting baseline, 0.25)"))
     precision_change: str | None = Field(default=None, min_length=10, description=(
         "how the rewrite rounds differently from the original (a fused kernel computing in fp32 and rounding once, a "
         "reassociated product): a rewrite that passes is flagged for review with this sentence in the run's report"))
@@ -261,10 +265,10 @@ class Numerics(_Model):
         if self.class_ == "tolerance" and (self.rtol is None or self.atol is None):
             raise ValueError("class 'tolerance' needs rtol and atol")
         if self.class_ == "exact" and any(v is not None for v in (self.rtol, self.atol, self.loss_rtol, self.grad_cosine_min,
-                                                                   self.timed_delta_cosine_min, self.precision_change,
-                                                                   self.precision_reference)):
-            raise ValueError("class 'exact' takes no rtol/atol/loss_rtol/grad_cosine_min/timed_delta_cosine_min/precision_change/"
-                             "precision_reference")
+                                                                   self.timed_delta_cosine_min, self.timed_delta_norm_rtol,
+                                                                   self.precision_change, self.precision_reference)):
+            raise ValueError("class 'exact' takes no rtol/atol/loss_rtol/grad_cosine_min/timed_delta_cosine_min/"
+                             "timed_delta_norm_rtol/precision_change/precision_reference")
         if self.precision_reference is not None and self.precision_change is None:
             raise ValueError("precision_reference needs precision_change: the sentence the report flags for review")
         return self

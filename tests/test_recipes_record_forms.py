@@ -164,3 +164,25 @@ def test_a_recipe_may_lower_the_timed_direction_floor_to_the_gates_own_floor_and
     higher = Numerics.model_validate({"class": "tolerance", "rtol": 1e-2, "atol": 1e-5, "timed_delta_cosine_min": 0.999})
     assert tolerance_for(higher).timed_delta_cosine_min == NumericsTolerance().timed_delta_cosine_min
     assert tolerance_for(higher).timed_delta_norm_rtol == NumericsTolerance().timed_delta_norm_rtol  # the size check stays
+
+
+def test_a_recipe_may_widen_the_timed_size_check_to_the_gates_own_cap_and_no_further():
+    """The same amplification moves the size of a parameter's change (record 41's norm helper on the fused
+    cross-entropy's pending head: lm_head's change 10.17% larger, cosine 0.926): a recipe may widen the size check up
+    to the cap the gate allows a drifting baseline (drift.TIMED_DELTA_NORM_RTOL_CAP, 25%; halved gradients differ by
+    50%), never past it, never tighter than the default."""
+    from trainbridge.agents.profiler.drift import TIMED_DELTA_NORM_RTOL_CAP
+    from trainbridge.agents.profiler.judge import tolerance_for
+    from trainbridge.agents.profiler.numerics import NumericsTolerance
+    from trainbridge.knowledge.schema import Numerics
+
+    default = NumericsTolerance().timed_delta_norm_rtol
+    for name in ("rmsnorm-library-npu", "rope-function-npu-rotary-mul", "rope-method-npu-rotary-mul"):
+        assert tolerance_for(RECIPES[name].numerics).timed_delta_norm_rtol == 0.2
+    assert tolerance_for(RECIPES["attention-sdpa-npu-fusion"].numerics).timed_delta_norm_rtol == default
+    wider = Numerics.model_validate({"class": "tolerance", "rtol": 1e-2, "atol": 1e-5, "timed_delta_norm_rtol": 0.9})
+    assert tolerance_for(wider).timed_delta_norm_rtol == TIMED_DELTA_NORM_RTOL_CAP
+    tighter = Numerics.model_validate({"class": "tolerance", "rtol": 1e-2, "atol": 1e-5, "timed_delta_norm_rtol": 0.01})
+    assert tolerance_for(tighter).timed_delta_norm_rtol == default
+    with pytest.raises(ValueError, match="exact"):
+        Numerics.model_validate({"class": "exact", "timed_delta_norm_rtol": 0.2})

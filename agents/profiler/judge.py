@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainbridge.agents.profiler import tamper
-from trainbridge.agents.profiler.drift import TIMED_DELTA_COSINE_FLOOR
+from trainbridge.agents.profiler.drift import TIMED_DELTA_COSINE_FLOOR, TIMED_DELTA_NORM_RTOL_CAP
 from trainbridge.agents.profiler.gate import drift_threads, gate_steps, run_gate
 from trainbridge.agents.profiler.numerics import NumericsTolerance
 from trainbridge.agents.profiler.region_lab import lab_enabled, lab_env, region_verdict, time_region
@@ -33,6 +33,9 @@ def tolerance_for(numerics) -> NumericsTolerance:
         # a recipe may lower the timed steps' direction floor to the gate's own floor for a drifting baseline, not below
         timed_delta_cosine_min=max(min(numerics.timed_delta_cosine_min or defaults.timed_delta_cosine_min,
                                        defaults.timed_delta_cosine_min), TIMED_DELTA_COSINE_FLOOR),
+        # and widen the size check of that change up to the gate's own cap for a drifting baseline, not past it
+        timed_delta_norm_rtol=min(max(numerics.timed_delta_norm_rtol or defaults.timed_delta_norm_rtol,
+                                      defaults.timed_delta_norm_rtol), TIMED_DELTA_NORM_RTOL_CAP),
     )
 
 
