@@ -175,8 +175,12 @@ def test_watch_finds_a_process_that_escaped_its_process_group_and_reads_cpu_and_
     proc_watch.kill_all(escaped)
     for stat in escaped:
         os.waitpid(stat.pid, 0)
-    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass"])
-    time.sleep(0.5)
+    # busy until it has used 0.3 s of CPU, however loaded the machine (a wall-clock loop got 32 ms of a 0.5 s wait on a
+    # host at load 6), then alive and idle while it is sampled
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nwhile time.process_time() < 0.3: pass\n"
+                             "print('ready', flush=True)\ntime.sleep(30)"], stdout=subprocess.PIPE, text=True)
+    assert busy.stdout.readline().strip() == "ready"
     sample = proc_watch.sample_tree(busy.pid, base_nice=os.getpriority(os.PRIO_PROCESS, 0), reaper_pid=None, since_ticks=None)
+    busy.kill()
     busy.wait()
     assert sample is not None and sample.cpu_ns > 0.1e9 and sample.raised_priority == []
