@@ -88,6 +88,28 @@ def gate(tmp_path: Path, candidate: str, reference: str | None, what: str | None
                     rng=random.Random(11), reference=workload(tmp_path, reference) if reference else None, reference_what=what)
 
 
+def cross_entropy_recipe() -> Recipe:
+    return Recipe.model_validate(yaml.safe_load((RECIPES / "cross-entropy-library-npu.yaml").read_text(encoding="utf-8")))
+
+
+def cross_entropy_repo(tmp_path: Path, keywords: str):
+    """A user's repository whose model.py:6 calls F.cross_entropy(logits, targets<keywords>), its run workspace and the
+    cross_entropy intent on that line."""
+    root = tmp_path / "user"
+    repo = git.Repo.init(root, initial_branch="main")
+    with repo.config_writer() as config:
+        config.set_value("user", "name", "Alice")
+        config.set_value("user", "email", "alice@example.com")
+    (root / "model.py").write_text("import torch\nimport torch.nn.functional as F\n\n\ndef loss_of(logits, targets):\n"
+                                   f"    return F.cross_entropy(logits, targets{keywords})\n", encoding="utf-8")
+    repo.git.add("-A")
+    repo.git.commit("-m", "initial")
+    span = SourceSpan(file="model.py", line_start=6, line_end=6, function="loss_of")
+    intent = Intent(id=Intent.make_id("cross_entropy", [span]), category="cross_entropy", spans=[span], confidence=0.9,
+                    source="static")
+    return repo, workspace(repo, tmp_path), intent
+
+
 @pytest.mark.timeout(600)
 def test_an_exact_rewrite_of_a_rounding_region_fails_against_the_original_and_passes_against_its_precision_reference(tmp_path):
     alone = gate(tmp_path / "alone", "exact", None)  # as the gate judged it before: the original's own rounding is the bar
@@ -117,7 +139,7 @@ def test_a_reference_that_cannot_run_leaves_the_comparison_with_the_original_sta
 
 
 def test_the_fused_cross_entropy_recipe_names_a_reference_that_applies_where_the_recipe_does():
-    recipe = Recipe.model_validate(yaml.safe_load((RECIPES / "cross-entropy-library-npu.yaml").read_text(encoding="utf-8")))
+    recipe = cross_entropy_recipe()
     reference = reference_recipe(recipe)
     assert reference is not None and reference.id == "cross-entropy-library-npu-precision-reference" and reference.also == []
     source = ("import torch\nimport torch.nn.functional as F\n\n\ndef loss_of(logits, targets):\n"
@@ -139,20 +161,8 @@ def test_a_precision_reference_needs_the_sentence_the_report_flags():
 
 
 def test_the_reference_is_made_beside_the_candidate_on_the_same_span_and_leaves_nothing_in_the_run(tmp_path):
-    root = tmp_path / "user"
-    repo = git.Repo.init(root, initial_branch="main")
-    with repo.config_writer() as config:
-        config.set_value("user", "name", "Alice")
-        config.set_value("user", "email", "alice@example.com")
-    (root / "model.py").write_text("import torch\nimport torch.nn.functional as F\n\n\ndef loss_of(logits, targets):\n"
-                                   "    return F.cross_entropy(logits, targets, ignore_index=-1)\n", encoding="utf-8")
-    repo.git.add("-A")
-    repo.git.commit("-m", "initial")
-    recipe = Recipe.model_validate(yaml.safe_load((RECIPES / "cross-entropy-library-npu.yaml").read_text(encoding="utf-8")))
-    span = SourceSpan(file="model.py", line_start=6, line_end=6, function="loss_of")
-    intent = Intent(id=Intent.make_id("cross_entropy", [span]), category="cross_entropy", spans=[span], confidence=0.9,
-                    source="static")
-    space = workspace(repo, tmp_path)
+    repo, space, intent = cross_entropy_repo(tmp_path, ", ignore_index=-1")
+    recipe = cross_entropy_recipe()
     candidate = make_candidate(space, intent, recipe)
     reference = make_reference(space, intent, recipe, overlay=None)
     assert isinstance(candidate, Candidate) and isinstance(reference, Candidate) and reference.name != candidate.name
@@ -167,20 +177,8 @@ def test_the_reference_is_made_beside_the_candidate_on_the_same_span_and_leaves_
 
 
 def test_a_candidate_stacked_on_a_precision_change_is_given_the_pending_head_as_its_reference(tmp_path):
-    root = tmp_path / "user"
-    repo = git.Repo.init(root, initial_branch="main")
-    with repo.config_writer() as config:
-        config.set_value("user", "name", "Alice")
-        config.set_value("user", "email", "alice@example.com")
-    (root / "model.py").write_text("import torch\nimport torch.nn.functional as F\n\n\ndef loss_of(logits, targets):\n"
-                                   "    return F.cross_entropy(logits, targets)\n", encoding="utf-8")
-    repo.git.add("-A")
-    repo.git.commit("-m", "initial")
-    recipe = Recipe.model_validate(yaml.safe_load((RECIPES / "cross-entropy-library-npu.yaml").read_text(encoding="utf-8")))
-    span = SourceSpan(file="model.py", line_start=6, line_end=6, function="loss_of")
-    intent = Intent(id=Intent.make_id("cross_entropy", [span]), category="cross_entropy", spans=[span], confidence=0.9,
-                    source="static")
-    space = workspace(repo, tmp_path)
+    repo, space, intent = cross_entropy_repo(tmp_path, "")
+    recipe = cross_entropy_recipe()
     ctx = SimpleNamespace(config=SimpleNamespace(target="npu", run_id=space.run_id))
     assert npu_pending.pending_reference(ctx, space, {"verdicts": []}) is None  # no pending branch yet
     branch, _ = npu_pending.stack_on_pending(ctx, space, make_candidate(space, intent, recipe))
@@ -190,4 +188,4 @@ def test_a_candidate_stacked_on_a_precision_change_is_given_the_pending_head_as_
                              "precision_reference": "matched_reference"}]}
     view = npu_pending.pending_reference(ctx, space, stacked)
     assert view is not None and "_tb_npu_cross_entropy(logits, targets)" in (view / "model.py").read_text(encoding="utf-8")
-    assert "F.cross_entropy(logits, targets)" in (root / "model.py").read_text(encoding="utf-8")  # the user's checkout
+    assert "F.cross_entropy(logits, targets)" in (Path(repo.working_tree_dir) / "model.py").read_text(encoding="utf-8")  # the user's checkout
