@@ -382,6 +382,8 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
         marks["integrity"] = marks.get("integrity", 0.0) + time.monotonic() - hashing
         return tree
 
+    # the reference runs after the candidate's first round: unchanged since the gate began, or not compared at all
+    reference_before = tamper.digest_tree(reference.root) if reference is not None else None
     seq = SequentialGate(looks(rounds, max_rounds), min_gain=min_gain, confidence=confidence)
     base_env = {**fork_server.prewarm_env((baseline.root, candidate.root)), **(extra_env or {})}
     if quiet.contended_at_start() and "OMP_WAIT_POLICY" not in base_env:
@@ -452,6 +454,11 @@ def _run_gate(baseline: Workload, candidate: Workload, *, backend: str, rounds: 
         if index == 0 and reference is not None and not found and not nondeterministic:
             timed = judge_timed(index, base, cand, tolerance, noise=noise)
             if not numerics.passed or timed:
+                moved = tamper.changed(reference_before, tamper.digest_tree(reference.root))
+                if moved:  # only where no confinement kept the candidate's writes in its own folders
+                    message = f"{where}: the reference's worktree changed while the candidate ran: {', '.join(moved[:5])}"
+                    return verdict(VerdictReason.tampered_harness, message, phase,
+                                   findings=[Finding(kind=FindingKind.tampered_harness, message=message)])
                 checked = check_against_reference(reference, cand, inputs, tolerance, numerics, timed, noise=noise,
                                                   backend=backend, extra_env=env_now(), work_dir=work_dir,
                                                   what=reference_what or RECIPE_REFERENCE)
